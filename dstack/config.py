@@ -1,0 +1,177 @@
+"""Deployment configuration: one YAML file, validated by pydantic at start-up.
+
+A bad file fails with the field's path and the reason (`ConfigError`), never later.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dstack.types import ModelSLO, Priority
+
+
+class ConfigError(ValueError):
+    """The deployment file is missing, not YAML, or fails validation (message names the field)."""
+
+
+class PolicyName(StrEnum):
+    TEMPORAL = "temporal"
+    SHARED = "shared"
+    SPATIAL = "spatial"
+    DSTACK = "dstack"
+
+
+class DeviceKind(StrEnum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback by default: expose it on purpose, not by accident."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """TCP port (0 picks a free one)."""
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    """Largest request body accepted; larger ones get 413."""
+    log_level: str = "info"
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """The name clients use in URLs. Also the zoo name unless `zoo_name` is given."""
+    zoo_name: str | None = None
+    """Zoo model to build when `name` is an alias (two copies of one model, say)."""
+    slo_ms: Annotated[float, Field(gt=0)] = 100.0
+    """Latency objective: a request must be answered within this many ms of arrival."""
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Largest batch the worker runs; a single request above it is refused (400)."""
+    max_queue_delay_ms: Annotated[float, Field(ge=0)] = 2.0
+    """Dynamic batching: wait at most this long from the first queued request for more."""
+    max_queue: Annotated[int, Field(ge=1)] = 1024
+    """Bounded queue: requests beyond this many waiting are refused (429)."""
+    rate_rps: Annotated[float, Field(ge=0)] = 0.0
+    """Expected request rate, for the optimizer (0: unknown)."""
+    priority: Priority = Priority.NORMAL
+    weights: Path | None = None
+    """Local state-dict file (torch.load weights_only=True) or TorchScript file."""
+    torchscript: Path | None = None
+    """A whole TorchScript module to serve instead of a zoo model."""
+    builder: str | None = None
+    """`package.module:function` returning an nn.Module, instead of the zoo's builder."""
+    input_shape: tuple[int, ...] | None = None
+    """Per-item input shape (no batch dimension); needed with `torchscript`/`builder`
+    when the model is not in the zoo."""
+    num_classes: int | None = None
+    """Output width for a `torchscript`/`builder` model not in the zoo."""
+
+    @property
+    def zoo(self) -> str:
+        return self.zoo_name or self.name
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.torchscript is not None and self.builder is not None:
+            raise ValueError("give either torchscript or builder, not both")
+        if self.max_queue_delay_ms >= self.slo_ms:
+            raise ValueError(
+                f"max_queue_delay_ms ({self.max_queue_delay_ms}) must be below slo_ms "
+                f"({self.slo_ms}): waiting that long alone would miss the SLO"
+            )
+        return self
+
+    def slo(self) -> ModelSLO:
+        return ModelSLO(self.name, self.slo_ms, self.rate_rps, self.priority)
+
+
+class AdaptConfig(_Strict):
+    enabled: bool = True
+    """Re-plan when measured arrival rates drift (policy dstack)."""
+    ewma_alpha: Annotated[float, Field(gt=0, le=1)] = 0.2
+    """Weight of the newest rate sample in the moving average."""
+    sample_s: Annotated[float, Field(gt=0)] = 1.0
+    """Rates are sampled every this many seconds."""
+    drift: Annotated[float, Field(gt=0)] = 0.25
+    """Re-plan when a rate moves by more than this fraction from the planned one."""
+    hold_s: Annotated[float, Field(ge=0)] = 5.0
+    """Hysteresis: after a re-plan, wait at least this long before another."""
+
+
+class DeployConfig(_Strict):
+    server: ServerConfig = ServerConfig()
+    device: DeviceKind = DeviceKind.CPU
+    policy: PolicyName = PolicyName.SHARED
+    """Scheduling policy: temporal, shared, spatial or dstack (ARCHITECTURE.md)."""
+    profiles: Path | None = None
+    """Directory of knee profiles (needed by spatial and dstack)."""
+    cores: tuple[int, ...] | None = None
+    """CPU cores the workers may use (default: all this process may use)."""
+    adapt: AdaptConfig = AdaptConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> DeployConfig:
+        seen: set[str] = set()
+        for m in self.models:
+            if m.name in seen:
+                raise ValueError(f"model name {m.name!r} appears twice")
+            seen.add(m.name)
+        if self.policy in (PolicyName.DSTACK, PolicyName.SPATIAL) and self.profiles is None:
+            raise ValueError(f"policy {self.policy.value} needs `profiles:` (a directory)")
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, *, source: str = "config") -> DeployConfig:
+    try:
+        return DeployConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source} is invalid:\n{_format_errors(e)}") from None
+
+
+def load_config(path: str | Path) -> DeployConfig:
+    """Read and validate a deployment YAML file. Relative paths in it are taken relative
+    to the file's directory."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    cfg = parse_config(raw, source=str(path))
+    return _resolve_paths(cfg, path.parent)
+
+
+def _resolve_paths(cfg: DeployConfig, base: Path) -> DeployConfig:
+    def fix(p: Path | None) -> Path | None:
+        return p if p is None or p.is_absolute() else (base / p).resolve()
+
+    models = [
+        m.model_copy(update={"weights": fix(m.weights), "torchscript": fix(m.torchscript)})
+        for m in cfg.models
+    ]
+    return cfg.model_copy(update={"profiles": fix(cfg.profiles), "models": models})

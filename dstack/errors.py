@@ -1,0 +1,59 @@
+"""One exception hierarchy: "this request is bad" (4xx) versus "we are broken" (5xx).
+
+The server turns any `DStackError` into `{"error": message}` with `status_code`.
+"""
+
+from __future__ import annotations
+
+
+class DStackError(Exception):
+    status_code = 500
+    reason = "internal"  # a short label, used in metrics
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RequestError(DStackError):
+    """The request is malformed or does not fit the model (400)."""
+
+    status_code = 400
+    reason = "rejected"
+
+
+class ModelNotFound(RequestError):
+    status_code = 404
+
+
+class PayloadTooLarge(RequestError):
+    status_code = 413
+
+
+class Overloaded(DStackError):
+    """The model's queue is full (429): retry later."""
+
+    status_code = 429
+    reason = "rejected"
+
+
+class DeadlineRefused(DStackError):
+    """The request can no longer be answered within its SLO, so it is refused now
+    rather than served late (429)."""
+
+    status_code = 429
+    reason = "slo_refused"
+
+
+class Unavailable(DStackError):
+    """The server or model is not ready, or is shutting down (503)."""
+
+    status_code = 503
+    reason = "unavailable"
+
+
+class BackendError(DStackError):
+    """A worker failed or died while running the request (500)."""
+
+    status_code = 500
+    reason = "backend"

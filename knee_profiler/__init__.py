@@ -1,0 +1,1 @@
+"""knee_profiler."""
