@@ -1,0 +1,81 @@
+"""`dstack` command line: serve, plan, simulate, models.
+
+A thin layer: each subcommand parses its flags and calls a library function. Heavy
+imports happen inside the subcommand so that `dstack models` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    import models
+
+    for name in models.names():
+        s = models.spec(name)
+        shape = "x".join(str(d) for d in s.inputs[0].shape[1:])
+        print(f"{name:28s} input {s.inputs[0].datatype.value} {shape}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from server.main import serve
+
+    return serve(args.config, host=args.host, port=args.port)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from optimizer.cli import plan_command
+
+    return plan_command(args)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from dstack.simulate.cli import simulate_command
+
+    return simulate_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dstack", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the inference server")
+    s.add_argument("--config", required=True, help="deployment YAML file")
+    s.add_argument("--host", default=None, help="override server.host")
+    s.add_argument("--port", type=int, default=None, help="override server.port")
+    s.set_defaults(func=_cmd_serve)
+
+    m = sub.add_parser("models", help="list the model zoo")
+    m.set_defaults(func=_cmd_models)
+
+    pl = sub.add_parser("plan", help="solve batch sizes, slices and the cycle for a config")
+    pl.add_argument("--config", required=True, help="deployment YAML file")
+    pl.add_argument("--profiles", default=None, help="profile directory (default: config's)")
+    pl.add_argument("--json", default=None, help="also write the plan as JSON here")
+    pl.add_argument("--plot", default=None, help="draw the schedule as a Gantt chart (PNG)")
+    pl.set_defaults(func=_cmd_plan)
+
+    sim = sub.add_parser("simulate", help="replay a workload against policies on a virtual clock")
+    sim.set_defaults(func=_cmd_simulate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dstack.config import ConfigError
+    from dstack.types import ProfileError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ProfileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
