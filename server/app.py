@@ -1,0 +1,260 @@
+"""The FastAPI app: KServe v2 / Triton HTTP routes over an `InferenceBackend`.
+
+Only HTTP lives here: the wire format is `server.codec`, scheduling is the backend's.
+Every error reaches the client as `{"error": "..."}`: a `DStackError` with its own status
+code, an unexpected exception as 500 (and logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dstack.backend import InferenceBackend, ModelStats
+from dstack.errors import DStackError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
+from dstack.types import ModelSpec, TensorSpec
+from server import codec
+
+log = logging.getLogger("dstack.server")
+
+SERVER_NAME = "dstack"
+MODEL_VERSION = "1"
+PLATFORM = "pytorch_libtorch"  # what Triton reports for TorchScript models
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dstack-serve")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class _CatchAll:
+    """Innermost safety net: an exception no handler took becomes 500 `{"error"}`.
+
+    Starlette's own `Exception` handler re-raises after answering (so servers log it
+    twice and test clients raise); this answers once and logs once.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as e:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            resp = _error(500, f"internal error: {type(e).__name__}: {e}")
+            await resp(scope, receive, send)
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed the limit:
+    from Content-Length before reading anything, else while streaming (chunked)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            raise RequestError(f"Content-Length {declared!r} is not an integer") from None
+        if n > max_body_bytes:
+            raise PayloadTooLarge(
+                f"request body of {n} bytes exceeds the limit of {max_body_bytes}"
+            )
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_body_bytes:
+            raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _tensor_meta(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "datatype": t.datatype.value, "shape": list(t.shape)}
+
+
+def model_metadata(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "versions": [MODEL_VERSION],
+        "platform": PLATFORM,
+        "inputs": [_tensor_meta(t) for t in spec.inputs],
+        "outputs": [_tensor_meta(t) for t in spec.outputs],
+        "max_batch_size": spec.max_batch_size,
+    }
+
+
+def create_app(
+    backend: InferenceBackend,
+    *,
+    max_body_bytes: int,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    title: str = "dstack",
+) -> FastAPI:
+    """Build the app. `lifespan` starts and stops the backend (see `server.main`);
+    tests pass a ready fake backend and none."""
+    app = FastAPI(title=title, version=_version(), lifespan=lifespan)
+    app.add_middleware(_CatchAll)
+    server_meta = {"name": SERVER_NAME, "version": _version(), "extensions": EXTENSIONS}
+
+    @app.exception_handler(DStackError)
+    async def _dstack_error(_: Request, e: DStackError) -> JSONResponse:
+        if e.status_code >= 500:
+            log.warning("%s: %s", type(e).__name__, e.message)
+        return _error(e.status_code, e.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = str(e.detail)
+        if e.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        return _error(e.status_code, msg)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, f"bad request: {e.errors()}")
+
+    def spec_of(model: str, version: str | None) -> ModelSpec:
+        spec = backend.spec(model)  # ModelNotFound (404) for unknown names
+        if version is not None and version != MODEL_VERSION:
+            raise ModelNotFound(
+                f"model {model} has no version {version!r} (only {MODEL_VERSION!r})"
+            )
+        return spec
+
+    def require_ready(model: str) -> None:
+        if not backend.is_model_ready(model):
+            raise Unavailable(f"model {model} is not ready")
+
+    # ------------------------------------------------------------------ server
+
+    @app.get("/v2")
+    async def server_metadata() -> dict[str, Any]:
+        return server_meta
+
+    @app.get("/v2/health/live")
+    async def live() -> dict[str, bool]:
+        return {"live": True}
+
+    @app.get("/v2/health/ready")
+    async def ready() -> dict[str, bool]:
+        if not backend.is_ready():
+            raise Unavailable("server is not ready: some models are not ready")
+        return {"ready": True}
+
+    @app.post("/v2/repository/index")
+    async def repository_index() -> list[dict[str, str]]:
+        return [
+            {
+                "name": m,
+                "version": MODEL_VERSION,
+                "state": "READY" if backend.is_model_ready(m) else "UNAVAILABLE",
+            }
+            for m in backend.model_names()
+        ]
+
+    # ------------------------------------------------------------------ models
+
+    async def metadata(model: str, version: str | None = None) -> dict[str, Any]:
+        return model_metadata(spec_of(model, version))
+
+    async def model_ready(model: str, version: str | None = None) -> dict[str, Any]:
+        spec_of(model, version)
+        require_ready(model)
+        return {"name": model, "ready": True}
+
+    async def stats(model: str, version: str | None = None) -> dict[str, Any]:
+        spec_of(model, version)
+        return {"model_stats": [triton_stats(backend.stats(model))]}
+
+    async def infer(request: Request) -> Response:
+        model = request.path_params["model"]
+        spec = spec_of(model, request.path_params.get("version"))
+        require_ready(model)
+        body = await read_body(request, max_body_bytes)
+        req = codec.decode_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
+        outputs = await backend.infer(model, req.inputs)
+        payload, hlen = codec.encode_response(model, req, outputs, spec)
+        if hlen is None:
+            return Response(payload, media_type="application/json")
+        return Response(
+            payload,
+            media_type="application/octet-stream",
+            headers={codec.HEADER_LENGTH: str(hlen)},
+        )
+
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        app.add_api_route(prefix, metadata, methods=["GET"])
+        app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
+        app.add_api_route(prefix + "/stats", stats, methods=["GET"])
+        app.add_api_route(prefix + "/infer", infer, methods=["POST"])
+
+    # ------------------------------------------------------------------ dstack views
+
+    @app.get("/v1/plan")
+    async def plan() -> dict[str, Any]:
+        p = backend.plan()
+        if p is None:
+            raise ModelNotFound(f"policy {backend.policy_name()} makes no plan")
+        return p.to_dict()
+
+    @app.get("/v1/schedule")
+    async def schedule() -> dict[str, Any]:
+        s = backend.schedule()
+        if s is None:
+            raise ModelNotFound(f"policy {backend.policy_name()} has no schedule")
+        return s.to_dict()
+
+    return app
+
+
+def triton_stats(s: ModelStats) -> dict[str, Any]:
+    """One entry of Triton's `model_stats` from a `ModelStats`.
+
+    Triton sums durations per request; we know the total time requests spent queued and
+    the total time batches ran, so those are reported as `queue` and `compute_infer`, and
+    the raw counters (refusals, SLO, pending) under `dstack`.
+    """
+    avg_batch = s.inference_count / s.execution_count if s.execution_count else 0.0
+    return {
+        "name": s.model,
+        "version": MODEL_VERSION,
+        "inference_count": s.inference_count,
+        "execution_count": s.execution_count,
+        "inference_stats": {
+            "success": {"count": s.request_success},
+            "fail": {"count": s.request_failure},
+            "queue": {"count": s.request_success, "ns": s.queue_ns},
+            "compute_infer": {"count": s.execution_count, "ns": s.compute_ns},
+        },
+        "dstack": {**s.to_dict(), "avg_batch_size": avg_batch},
+    }

@@ -1,0 +1,467 @@
+"""KServe v2 / Triton HTTP wire codec: pure functions, no HTTP.
+
+Server side: `decode_request` (body bytes -> `InferRequest`, validated against a
+`ModelSpec`) and `encode_response` (outputs -> body bytes + header length).
+Client side (load tests, benchmarks): `encode_request` and `decode_response`.
+
+The binary tensor data extension: the body is a JSON header followed by raw tensors;
+the header's length is sent in the `Inference-Header-Content-Length` HTTP header, and
+every binary tensor carries `parameters.binary_data_size`. Tensors are raw row-major
+little-endian bytes (BOOL: one byte per element), in the order the JSON lists them.
+
+Speed: tensors are never walked element by element in Python. Binary tensors are
+`np.frombuffer` views of the body (read-only, zero copy); JSON is parsed by orjson (about
+4x faster than the stdlib on a 1x3x224x224 list of floats) and the flat `data` list turned
+into an array by `np.asarray`; JSON outputs are serialized by orjson straight from numpy.
+
+Imports only numpy, orjson, the standard library and `dstack.types` / `dstack.errors`,
+so that load-test clients can use it without the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from dstack.errors import BackendError, RequestError
+from dstack.types import DType, ModelSpec, TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+"""HTTP header giving the JSON header's length when binary tensors follow it."""
+
+NP_DTYPES: dict[DType, np.dtype] = {
+    DType.BOOL: np.dtype(np.bool_),
+    DType.UINT8: np.dtype("u1"),
+    DType.INT8: np.dtype("i1"),
+    DType.INT16: np.dtype("<i2"),
+    DType.INT32: np.dtype("<i4"),
+    DType.INT64: np.dtype("<i8"),
+    DType.FP16: np.dtype("<f2"),
+    DType.FP32: np.dtype("<f4"),
+    DType.FP64: np.dtype("<f8"),
+}
+_DTYPE_OF_KIND = {(v.kind, v.itemsize): k for k, v in NP_DTYPES.items()}
+_SUPPORTED = ", ".join(d.value for d in DType)
+# Which numpy kinds (of np.asarray over the parsed JSON list) each datatype accepts:
+# no silent truncation of floats into ints, no numbers as booleans.
+_JSON_KINDS = {DType.BOOL: "b", DType.FP16: "fiu", DType.FP32: "fiu", DType.FP64: "fiu"}
+_INT_KINDS = "iu"
+_ORJSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+# --------------------------------------------------------------------------- types
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedOutput:
+    """An output named in the request's `outputs`. `binary` is the per-output
+    `parameters.binary_data`; None means "use the request's binary_data_output"."""
+
+    name: str
+    binary: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    """A decoded, validated infer request. Every input has leading dimension
+    `batch_size`; binary inputs are read-only views of the request body."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[RequestedOutput, ...]  # empty: every output of the model
+    binary_output: bool  # parameters.binary_data_output
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class InferResponse:
+    """A decoded infer response (client side)."""
+
+    model_name: str
+    model_version: str | None
+    id: str | None
+    outputs: dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def datatype_of(arr: np.ndarray) -> DType:
+    """The KServe datatype of a numpy array; RequestError for others (BYTES, objects)."""
+    dt = _DTYPE_OF_KIND.get((arr.dtype.kind, arr.dtype.itemsize))
+    if dt is None:
+        raise RequestError(f"numpy dtype {arr.dtype} has no KServe datatype ({_SUPPORTED})")
+    return dt
+
+
+def _parse_datatype(value: object, where: str) -> DType:
+    if not isinstance(value, str):
+        raise RequestError(f"{where}: 'datatype' must be a string, got {value!r}")
+    try:
+        return DType(value)
+    except ValueError:
+        raise RequestError(
+            f"{where}: datatype {value!r} is not supported (supported: {_SUPPORTED})"
+        ) from None
+
+
+def _parse_shape(value: object, where: str) -> tuple[int, ...]:
+    # `type(d) is int`: JSON true/false parse as bool, which is not a dimension.
+    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+        raise RequestError(
+            f"{where}: 'shape' must be a list of non-negative integers, got {value!r}"
+        )
+    return tuple(value)
+
+
+def _parse_header_length(value: int | str | None, body_len: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise RequestError(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if n < 0 or n > body_len:
+        raise RequestError(f"{HEADER_LENGTH} {n} is beyond the body of {body_len} bytes")
+    return n
+
+
+def _loads(data: bytes | memoryview, what: str) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"malformed JSON in {what}: {e}") from None
+    if not isinstance(obj, dict):
+        raise RequestError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _params(obj: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    p = obj.get("parameters", {})
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise RequestError(f"{where}: 'parameters' must be an object")
+    return p
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _array_from_json(data: object, dt: DType, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """Turn a JSON `data` value (flat row-major list, or nested lists of exactly `shape`)
+    into an array of `shape` and dtype `dt`, without a Python loop over elements."""
+    if not isinstance(data, list):
+        raise RequestError(f"{where}: 'data' must be a list, got {type(data).__name__}")
+    try:
+        raw = np.asarray(data)
+    except (ValueError, TypeError):
+        raise RequestError(
+            f"{where}: nested 'data' lists are ragged (expected shape {_fmt(shape)})"
+        ) from None
+    count = math.prod(shape)
+    if raw.ndim > 1 and raw.shape != shape:
+        raise RequestError(
+            f"{where}: nested 'data' lists have shape {_fmt(raw.shape)}, "
+            f"expected {_fmt(shape)} (or a flat list of {count} values)"
+        )
+    if raw.size != count:
+        raise RequestError(
+            f"{where}: 'data' has {raw.size} values but shape {_fmt(shape)} needs {count}"
+        )
+    if raw.size:
+        kinds = _JSON_KINDS.get(dt, _INT_KINDS)
+        if raw.dtype.kind not in kinds:
+            expect = {"b": "true/false", "fiu": "numbers"}.get(kinds, "integers")
+            raise RequestError(f"{where}: datatype {dt.value} needs {expect} in 'data'")
+        target = NP_DTYPES[dt]
+        if raw.dtype.kind in _INT_KINDS and dt.value.startswith(("INT", "UINT")):
+            info = np.iinfo(target)
+            if raw.min() < info.min or raw.max() > info.max:
+                raise RequestError(
+                    f"{where}: 'data' has values outside the {dt.value} range "
+                    f"[{info.min}, {info.max}]"
+                )
+        return raw.astype(target, copy=False).reshape(shape)
+    return np.empty(shape, NP_DTYPES[dt])
+
+
+def _check_shape(shape: tuple[int, ...], ts: TensorSpec, spec: ModelSpec, where: str) -> None:
+    if len(shape) != len(ts.shape):
+        raise RequestError(
+            f"{where}: shape {_fmt(shape)} has {len(shape)} dimensions, "
+            f"model {spec.name} expects {len(ts.shape)} ({_fmt(ts.shape)})"
+        )
+    n = shape[0]
+    if n < 1 or n > spec.max_batch_size:
+        raise RequestError(
+            f"{where}: batch dimension {n} is outside 1..{spec.max_batch_size} "
+            f"(max_batch_size of model {spec.name})"
+        )
+    for i, (got, want) in enumerate(zip(shape[1:], ts.shape[1:], strict=True), start=1):
+        if want != -1 and got != want:
+            raise RequestError(
+                f"{where}: shape {_fmt(shape)} does not match model {spec.name}'s "
+                f"{_fmt(ts.shape)} (dimension {i} is {got}, expected {want})"
+            )
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def decode_request(body: bytes, header_length: int | str | None, spec: ModelSpec) -> InferRequest:
+    """Decode and validate an infer request body against `spec`.
+
+    `header_length` is the `Inference-Header-Content-Length` header (None when absent:
+    the whole body is JSON). Raises RequestError naming what is wrong on every
+    malformed input; never returns a request the model cannot take.
+    """
+    hlen = _parse_header_length(header_length, len(body))
+    view = memoryview(body)
+    header = _loads(view if hlen is None else view[:hlen], "request header")
+
+    raw_inputs = header.get("inputs")
+    if raw_inputs is None:
+        raise RequestError("request has no 'inputs'")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise RequestError("'inputs' must be a non-empty list of tensors")
+    params = _params(header, "request")
+    if "classification" in params or "shared_memory_region" in params:
+        raise RequestError("classification and shared-memory parameters are not supported")
+
+    specs = {t.name: t for t in spec.inputs}
+    offset = hlen if hlen is not None else len(body)
+    inputs: dict[str, np.ndarray] = {}
+    batch: int | None = None
+    for i, t in enumerate(raw_inputs):
+        if not isinstance(t, dict):
+            raise RequestError(f"inputs[{i}] must be an object")
+        name = t.get("name")
+        if not isinstance(name, str):
+            raise RequestError(f"inputs[{i}] has no 'name'")
+        where = f"input {name!r}"
+        ts = specs.get(name)
+        if ts is None:
+            known = ", ".join(repr(n) for n in specs)
+            raise RequestError(f"unknown input {name!r}; model {spec.name} has inputs {known}")
+        if name in inputs:
+            raise RequestError(f"{where} appears twice")
+        dt = _parse_datatype(t.get("datatype"), where)
+        if dt != ts.datatype:
+            raise RequestError(
+                f"{where} has datatype {dt.value}, model {spec.name} expects {ts.datatype.value}"
+            )
+        shape = _parse_shape(t.get("shape"), where)
+        _check_shape(shape, ts, spec, where)
+        if batch is not None and shape[0] != batch:
+            raise RequestError(f"{where} has batch dimension {shape[0]}, other inputs have {batch}")
+        batch = shape[0]
+        tparams = _params(t, where)
+        if "shared_memory_region" in tparams:
+            raise RequestError(f"{where}: shared-memory tensors are not supported")
+        size = tparams.get("binary_data_size")
+        if size is not None:
+            if "data" in t:
+                raise RequestError(f"{where} has both 'data' and binary_data_size")
+            if hlen is None:
+                raise RequestError(
+                    f"{where} has binary_data_size but the request has no {HEADER_LENGTH} header"
+                )
+            if type(size) is not int or size < 0:
+                raise RequestError(f"{where}: binary_data_size must be a non-negative integer")
+            dtype = NP_DTYPES[dt]
+            count = math.prod(shape)
+            if size != count * dtype.itemsize:
+                raise RequestError(
+                    f"{where}: binary_data_size {size} does not match shape {_fmt(shape)} "
+                    f"of {dt.value} ({count * dtype.itemsize} bytes)"
+                )
+            if offset + size > len(body):
+                raise RequestError(
+                    f"{where}: binary_data_size {size} runs past the end of the body "
+                    f"({len(body) - offset} bytes of binary data left)"
+                )
+            inputs[name] = np.frombuffer(body, dtype, count, offset).reshape(shape)
+            offset += size
+        elif "data" in t:
+            inputs[name] = _array_from_json(t["data"], dt, shape, where)
+        else:
+            raise RequestError(f"{where} has neither 'data' nor binary_data_size")
+
+    if offset != len(body):
+        raise RequestError(
+            f"body has {len(body) - offset} bytes after the header and binary tensors "
+            "that no binary_data_size accounts for"
+        )
+    missing = [n for n in specs if n not in inputs]
+    if missing:
+        raise RequestError(f"missing input {missing[0]!r} of model {spec.name}")
+
+    binary_output = params.get("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise RequestError("parameters.binary_data_output must be true or false")
+    outputs = _parse_outputs(header.get("outputs"), spec)
+    rid = header.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("'id' must be a string")
+    assert batch is not None
+    return InferRequest(rid, inputs, outputs, binary_output, batch)
+
+
+def _parse_outputs(raw: object, spec: ModelSpec) -> tuple[RequestedOutput, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise RequestError("'outputs' must be a list")
+    known = {t.name for t in spec.outputs}
+    out: list[RequestedOutput] = []
+    for i, o in enumerate(raw):
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise RequestError(f"outputs[{i}] must be an object with a 'name'")
+        name = o["name"]
+        if name not in known:
+            names = ", ".join(repr(n) for n in known)
+            raise RequestError(f"unknown output {name!r}; model {spec.name} has outputs {names}")
+        p = _params(o, f"output {name!r}")
+        if p.get("classification"):
+            raise RequestError(f"output {name!r}: classification is not supported")
+        binary = p.get("binary_data")
+        if binary is not None and not isinstance(binary, bool):
+            raise RequestError(f"output {name!r}: binary_data must be true or false")
+        out.append(RequestedOutput(name, binary))
+    return tuple(out)
+
+
+def _tensor_json(name: str, dt: DType, arr: np.ndarray) -> dict[str, Any]:
+    return {"name": name, "datatype": dt.value, "shape": list(arr.shape)}
+
+
+def _json_data(arr: np.ndarray, dt: DType) -> np.ndarray:
+    # orjson needs native byte order and C order; FP16 goes out as float32 (exact).
+    flat = np.ascontiguousarray(arr, dtype=NP_DTYPES[dt]).reshape(-1)
+    return flat.astype(np.float32) if dt == DType.FP16 else flat
+
+
+def _encode(
+    head: dict[str, Any], tensors: list[tuple[dict[str, Any], np.ndarray, DType, bool]]
+) -> tuple[bytes, int | None]:
+    """Shared by requests and responses: JSON tensors inline, binary ones appended."""
+    chunks: list[bytes | memoryview] = []
+    for entry, arr, dt, binary in tensors:
+        if binary:
+            raw = np.ascontiguousarray(arr, dtype=NP_DTYPES[dt])
+            entry["parameters"] = {**entry.get("parameters", {}), "binary_data_size": raw.nbytes}
+            chunks.append(raw.reshape(-1).view(np.uint8).data)
+        else:
+            entry["data"] = _json_data(arr, dt)
+    header = orjson.dumps(head, option=_ORJSON_NUMPY)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+def encode_response(
+    model_name: str,
+    request: InferRequest,
+    outputs: Mapping[str, np.ndarray],
+    spec: ModelSpec,
+    *,
+    model_version: str = "1",
+) -> tuple[bytes, int | None]:
+    """Encode the outputs the request asked for (all of them when it named none).
+
+    Returns the body and the value of `Inference-Header-Content-Length` (None when no
+    output is binary: the whole body is JSON). An output is binary when its own
+    `binary_data` says so, else when the request's `binary_data_output` does. A backend
+    that returned a wrong output raises BackendError (500): the request was fine.
+    """
+    specs = {t.name: t for t in spec.outputs}
+    wanted = request.outputs or tuple(RequestedOutput(n) for n in specs)
+    tensors = []
+    for want in wanted:
+        arr = outputs.get(want.name)
+        if arr is None:
+            raise BackendError(f"model {model_name} returned no output {want.name!r}")
+        if arr.ndim == 0 or arr.shape[0] != request.batch_size:
+            raise BackendError(
+                f"model {model_name} returned output {want.name!r} of shape {_fmt(arr.shape)} "
+                f"for a batch of {request.batch_size}"
+            )
+        dt = specs[want.name].datatype
+        binary = request.binary_output if want.binary is None else want.binary
+        tensors.append((_tensor_json(want.name, dt, arr), arr, dt, binary))
+    head: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request.id is not None:
+        head["id"] = request.id
+    head["outputs"] = [t[0] for t in tensors]
+    return _encode(head, tensors)
+
+
+# --------------------------------------------------------------------------- client side
+
+
+def encode_request(
+    inputs: Mapping[str, np.ndarray],
+    *,
+    binary: bool = True,
+    outputs: Sequence[str] | None = None,
+    binary_output: bool = True,
+    request_id: str | None = None,
+) -> tuple[bytes, int | None]:
+    """Build an infer request body as tritonclient does.
+
+    Returns the body and the `Inference-Header-Content-Length` value to send (None: send
+    no such header). With `outputs`, each named output asks for `binary_output`; without,
+    the request-level `binary_data_output` does.
+    """
+    head: dict[str, Any] = {}
+    if request_id is not None:
+        head["id"] = request_id
+    tensors = []
+    for name, arr in inputs.items():
+        dt = datatype_of(arr)
+        tensors.append((_tensor_json(name, dt, arr), arr, dt, binary))
+    head["inputs"] = [t[0] for t in tensors]
+    if outputs is not None:
+        head["outputs"] = [
+            {"name": n, "parameters": {"binary_data": binary_output}} for n in outputs
+        ]
+    else:
+        head["parameters"] = {"binary_data_output": binary_output}
+    return _encode(head, tensors)
+
+
+def decode_response(body: bytes, header_length: int | str | None = None) -> InferResponse:
+    """Parse an infer response body (client side). Raises ValueError when malformed."""
+    try:
+        hlen = _parse_header_length(header_length, len(body))
+        view = memoryview(body)
+        head = _loads(view if hlen is None else view[:hlen], "response")
+        offset = hlen if hlen is not None else len(body)
+        outs: dict[str, np.ndarray] = {}
+        for o in head["outputs"]:
+            dt = _parse_datatype(o["datatype"], f"output {o['name']!r}")
+            shape = _parse_shape(o["shape"], f"output {o['name']!r}")
+            size = _params(o, "output").get("binary_data_size")
+            if size is not None:
+                if offset + size > len(body):
+                    raise RequestError(f"output {o['name']!r} runs past the end of the body")
+                dtype = NP_DTYPES[dt]
+                arr = np.frombuffer(body, dtype, size // dtype.itemsize, offset)
+                outs[o["name"]] = arr.reshape(shape)
+                offset += size
+            else:
+                outs[o["name"]] = _array_from_json(o["data"], dt, shape, f"output {o['name']!r}")
+    except RequestError as e:
+        raise ValueError(f"malformed infer response: {e.message}") from None
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"malformed infer response: missing or bad field {e}") from None
+    return InferResponse(
+        head.get("model_name", ""), head.get("model_version"), head.get("id"), outs
+    )

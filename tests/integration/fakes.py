@@ -1,0 +1,98 @@
+"""A small hand-written backend for the HTTP tests: numpy models, settable readiness."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dstack.backend import ModelStats
+from dstack.errors import BackendError, ModelNotFound
+from dstack.types import DType, ModelSpec, Plan, Schedule, TensorSpec
+
+SPECS = {
+    "double": ModelSpec(
+        "double",
+        (TensorSpec("x", DType.FP32, (-1, 3)),),
+        (TensorSpec("y", DType.FP32, (-1, 3)), TensorSpec("argmax", DType.INT64, (-1,))),
+        max_batch_size=4,
+    ),
+    "flip": ModelSpec(
+        "flip",
+        (TensorSpec("mask", DType.BOOL, (-1, 2)), TensorSpec("k", DType.UINT8, (-1, 2))),
+        (TensorSpec("out", DType.BOOL, (-1, 2)),),
+        max_batch_size=2,
+    ),
+    "broken": ModelSpec(
+        "broken",
+        (TensorSpec("x", DType.INT32, (-1,)),),
+        (TensorSpec("y", DType.INT32, (-1,)),),
+        max_batch_size=8,
+    ),
+}
+
+
+class FakeBackend:
+    """Numpy models behind the InferenceBackend interface, with settable readiness."""
+
+    def __init__(self) -> None:
+        self.ready: dict[str, bool] = dict.fromkeys(SPECS, True)
+        self.plan_: Plan | None = None
+        self.schedule_: Schedule | None = None
+        self.calls: dict[str, list[int]] = {m: [] for m in SPECS}
+        self.failures: dict[str, int] = dict.fromkeys(SPECS, 0)
+        self.started = self.stopped = False
+
+    def model_names(self) -> list[str]:
+        return list(SPECS)
+
+    def spec(self, model: str) -> ModelSpec:
+        if model not in SPECS:
+            raise ModelNotFound(f"unknown model {model!r}")
+        return SPECS[model]
+
+    def is_ready(self) -> bool:
+        return all(self.ready.values())
+
+    def is_model_ready(self, model: str) -> bool:
+        return self.ready[model]
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls[model].append(next(iter(inputs.values())).shape[0])
+        if model == "double":
+            x = inputs["x"]
+            return {"y": x * 2, "argmax": x.argmax(axis=1).astype(np.int64)}
+        if model == "flip":
+            return {"out": ~inputs["mask"] ^ (inputs["k"] > 0)}
+        self.failures[model] += 1
+        if inputs["x"][0] == 0:
+            raise BackendError("worker for broken died")
+        raise RuntimeError("boom")
+
+    def stats(self, model: str) -> ModelStats:
+        n = self.calls[model]
+        return ModelStats(
+            model=model,
+            request_success=len(n) - self.failures[model],
+            request_failure=self.failures[model],
+            inference_count=sum(n),
+            execution_count=len(n),
+            queue_ns=1000 * len(n),
+            compute_ns=5000 * len(n),
+            refused=0,
+            slo_met=len(n),
+            pending=0,
+        )
+
+    def plan(self) -> Plan | None:
+        return self.plan_
+
+    def schedule(self) -> Schedule | None:
+        return self.schedule_
+
+    def policy_name(self) -> str:
+        return "fake"
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.stopped = True
