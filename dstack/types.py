@@ -259,6 +259,7 @@ class ModelPlan:
     served_rps: float  # min(throughput, expected)
     slo_ms: float
     runs_per_cycle: int = 1
+    offset_ms: float = 0.0  # where in the cycle its batch starts (its shelf's start)
 
 
 @dataclass(frozen=True, slots=True)

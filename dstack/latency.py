@@ -1,0 +1,48 @@
+"""Online batch-latency model T(b) = k + t*b (Zhang et al.: the linear GPU-time model).
+
+Seeded from a profile at the worker's slice or from the worker's warm-up timings, then
+refined after every batch with an exponentially weighted fit, so refusal decisions and
+batch windows use what the worker really does now. Pure: no clocks, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class LinearLatency:
+    k_s: float  # fixed cost per batch
+    t_s: float  # cost per item
+    alpha: float = 0.1  # weight of a new observation
+
+    @classmethod
+    def from_points(cls, b1: int, s1: float, b2: int, s2: float) -> LinearLatency:
+        if b2 == b1:
+            return cls(max(s1, 1e-6), 0.0)
+        t = max(0.0, (s2 - s1) / (b2 - b1))
+        k = max(1e-6, s1 - t * b1)
+        return cls(k, t)
+
+    def estimate_s(self, n: int) -> float:
+        return self.k_s + self.t_s * max(n, 1)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Move the line toward an observed (n, seconds) point, keeping its slope's sign:
+        the error is split between the fixed and the per-item term in proportion to
+        their share of the prediction."""
+        pred = self.estimate_s(n)
+        err = seconds - pred
+        if pred <= 0:
+            return
+        share_k = self.k_s / pred
+        self.k_s = max(1e-6, self.k_s + self.alpha * err * share_k)
+        self.t_s = max(0.0, self.t_s + self.alpha * err * (1 - share_k) / max(n, 1))
+
+    def max_batch_within(self, budget_s: float, cap: int) -> int:
+        """Largest n <= cap with estimate_s(n) <= budget_s (0 when even n=1 does not fit)."""
+        if self.estimate_s(1) > budget_s:
+            return 0
+        if self.t_s <= 0:
+            return cap
+        return max(1, min(cap, int((budget_s - self.k_s) / self.t_s)))

@@ -1,0 +1,123 @@
+"""Turn a deployment config (+ profiles, + measured rates) into a ready policy object.
+
+Used by the runtime at start-up and on every re-plan, and by the simulator, so both run
+exactly the same policy for the same inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dstack.config import ConfigError, DeployConfig, PolicyName
+from dstack.latency import LinearLatency
+from dstack.policies import ModelParams, Policy, make_policy
+from dstack.schedule import ScheduleError, build_schedule
+from dstack.slices import SliceBackend
+from dstack.types import ModelSLO, Plan, Profile, Schedule, SolverStatus, load_profiles
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySetup:
+    policy: Policy
+    plan: Plan | None
+    schedule: Schedule | None
+    profiles: dict[str, Profile]  # keyed by served model name
+
+
+def model_params(cfg: DeployConfig) -> dict[str, ModelParams]:
+    return {
+        m.name: ModelParams(m.name, m.max_batch_size, m.max_queue_delay_ms / 1000, m.slo_ms / 1000)
+        for m in cfg.models
+    }
+
+
+def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str, Profile]:
+    """Profiles keyed by served name (a served alias uses its zoo model's profile)."""
+    if cfg.profiles is None:
+        return {}
+    by_model = load_profiles(cfg.profiles)
+    out: dict[str, Profile] = {}
+    for m in cfg.models:
+        prof = by_model.get(m.name) or by_model.get(m.zoo)
+        if prof is None:
+            raise ConfigError(
+                f"models.{m.name}: no profile in {cfg.profiles} "
+                f"(have {', '.join(sorted(by_model))}); make one with: knee-profiler profile {m.zoo} --device {cfg.device.value} "
+                f"--out {cfg.profiles}"
+            )
+        if check_device and prof.device.kind != cfg.device.value:
+            raise ConfigError(
+                f"models.{m.name}: profile was measured on {prof.device.kind} "
+                f"({prof.device.name}) but this server runs on {cfg.device.value}; profile the "
+                f"model on this device, or use `dstack simulate` for other devices"
+            )
+        out[m.name] = prof
+    return out
+
+
+def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
+               rates: dict[str, float] | None = None) -> Plan:
+    from optimizer import SolveOptions, solve
+
+    slos = [
+        ModelSLO(m.name, m.slo_ms, (rates or {}).get(m.name, m.rate_rps), m.priority)
+        for m in cfg.models
+    ]
+    opts = SolveOptions(max_batch={m.name: m.max_batch_size for m in cfg.models})
+    plan = solve(profiles, slos, opts)
+    if plan.status is SolverStatus.INFEASIBLE:
+        why = "; ".join(s.reason for s in plan.shortfalls)
+        raise ConfigError(f"no plan can serve every model within its SLO: {why}")
+    return plan
+
+
+def knee_percent(profile: Profile, max_batch: int) -> float:
+    """The knee at the largest profiled batch not above `max_batch` (100% if unknown)."""
+    batches = [b for b in profile.batch_sizes if b <= max_batch] or [min(profile.batch_sizes)]
+    return profile.knee.get(max(batches), 100.0)
+
+
+def temporal_batch(profile: Profile, slo_ms: float, n_models: int, cap: int) -> int:
+    """Best batch under the SLO on the whole device when models take turns: a request may
+    wait for one batch of every model (its own included) and then run, so a batch may take
+    at most SLO / (n_models + 1)."""
+    budget = slo_ms / (n_models + 1)
+    full = max(profile.percentages)
+    fits = [b for b in profile.batch_sizes if b <= cap and profile.latency_ms(b, full) <= budget]
+    return max(fits) if fits else 1
+
+
+def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
+                 rates: dict[str, float] | None = None,
+                 profiles: dict[str, Profile] | None = None) -> PolicySetup:
+    params = model_params(cfg)
+    if profiles is None:
+        profiles = served_profiles(cfg)
+    plan = schedule = None
+    knees: dict[str, float] = {}
+    tbatch: dict[str, int] = {}
+    if cfg.policy is PolicyName.DSTACK:
+        plan = solve_plan(cfg, profiles, rates)
+        try:
+            schedule = build_schedule(plan, backend)
+        except ScheduleError as e:
+            raise ConfigError(f"the plan cannot be laid out on this device: {e}") from None
+    elif cfg.policy is PolicyName.SPATIAL:
+        knees = {m.name: knee_percent(profiles[m.name], m.max_batch_size) for m in cfg.models}
+    elif cfg.policy is PolicyName.TEMPORAL and profiles:
+        tbatch = {
+            m.name: temporal_batch(profiles[m.name], m.slo_ms, len(cfg.models), m.max_batch_size)
+            for m in cfg.models
+        }
+    policy = make_policy(cfg.policy, params, backend, plan=plan, schedule=schedule,
+                         knees=knees, temporal_batch=tbatch, origin=origin)
+    # Seed the latency model from the profile at the worker's slice where there is one.
+    slices = policy.slices()
+    for name, prof in profiles.items():
+        pct = min(max(prof.percentages), max(slices[name].percent, min(prof.percentages)))
+        bs = sorted(prof.batch_sizes)
+        if len(bs) >= 2:
+            lat = LinearLatency.from_points(bs[0], prof.latency_ms(bs[0], pct) / 1000,
+                                            bs[-1], prof.latency_ms(bs[-1], pct) / 1000)
+            policy.latency[name] = lat  # type: ignore[attr-defined]
+    return PolicySetup(policy, plan, schedule, profiles)

@@ -1,0 +1,422 @@
+"""Scheduling policies: pure objects, the clock passed in.
+
+`decide(now, queues)` looks at the queues and the workers and returns which models should
+start a batch now (and how many items at most) and when to look again. The asyncio
+dispatcher (`dstack.runtime`) applies decisions to real workers; the simulator applies the
+very same objects on a virtual clock. Nothing here reads a clock, sleeps or does I/O.
+
+| policy   | slices                 | when a model runs               | batch size            |
+|----------|------------------------|---------------------------------|-----------------------|
+| temporal | 100% to one at a time  | round robin                     | best under SLO @100%  |
+| shared   | 100% each, concurrent  | whenever work is queued         | dynamic batching      |
+| spatial  | knee %, scaled to fit  | whenever work is queued         | GSLICE adaptive       |
+| dstack   | planned % (solver)     | its slots in the cycle + reuse  | from the solver       |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dstack.config import PolicyName
+from dstack.latency import LinearLatency
+from dstack.slices import SliceBackend, SliceSpec
+from dstack.types import Plan, Schedule, Slot
+
+# --------------------------------------------------------------------------- views & decisions
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """One model's state as the policy sees it."""
+
+    model: str
+    items: int  # items waiting (a request may hold several)
+    head_arrival: float | None  # arrival of the oldest waiting request
+    head_deadline: float | None
+    running: bool  # its worker is running a batch
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    model: str
+    max_items: int
+    reuse: bool = False  # dstack: runs in idle capacity outside its own slot
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    launches: tuple[Launch, ...] = ()
+    wake_at: float | None = None  # look again at this time even if nothing happens
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParams:
+    """What a policy knows of a served model (times in seconds)."""
+
+    name: str
+    max_batch: int
+    max_queue_delay_s: float
+    slo_s: float
+
+
+class Policy(Protocol):
+    name: PolicyName
+
+    def slices(self) -> dict[str, SliceSpec]:
+        """The slice each model's worker is started in."""
+        ...
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision: ...
+
+    def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None: ...
+
+    def plan(self) -> Plan | None: ...
+
+    def schedule(self) -> Schedule | None: ...
+
+
+# --------------------------------------------------------------------------- batch window
+
+
+@dataclass(frozen=True, slots=True)
+class TakeNow:
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitUntil:
+    t: float
+
+
+def batch_window(
+    now: float,
+    items: int,
+    head_arrival: float,
+    head_deadline: float | None,
+    cap: int,
+    max_delay_s: float,
+    latency: LinearLatency | None = None,
+) -> TakeNow | WaitUntil:
+    """Take a batch now or wait for more items (Ray Serve's rule, deadline-aware).
+
+    The wait is timed from the first queued request; the batch is capped at `cap`; and
+    the wait is cut short when waiting longer would make the oldest request miss its
+    deadline given the predicted run time of the batch.
+    """
+    if items >= cap:
+        return TakeNow(cap)
+    until = head_arrival + max_delay_s
+    if latency is not None and head_deadline is not None:
+        until = min(until, head_deadline - latency.estimate_s(cap))
+    if now >= until - 1e-9:
+        return TakeNow(items)
+    return WaitUntil(until)
+
+
+def _min_wake(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+# --------------------------------------------------------------------------- shared / spatial
+
+
+@dataclass
+class SharedPolicy:
+    """Every model on the whole device at once; Triton-style dynamic batching."""
+
+    models: dict[str, ModelParams]
+    backend: SliceBackend
+    latency: dict[str, LinearLatency] = field(default_factory=dict)
+    name: PolicyName = PolicyName.SHARED
+
+    def batch_cap(self, model: str) -> int:
+        return self.models[model].max_batch
+
+    def slices(self) -> dict[str, SliceSpec]:
+        return {m: self.backend.whole() for m in self.models}
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
+        launches: list[Launch] = []
+        wake: float | None = None
+        for m, q in queues.items():
+            if q.running or q.items == 0 or q.head_arrival is None:
+                continue
+            p = self.models[m]
+            w = batch_window(now, q.items, q.head_arrival, q.head_deadline,
+                             self.batch_cap(m), p.max_queue_delay_s, self.latency.get(m))
+            if isinstance(w, TakeNow):
+                launches.append(Launch(m, w.n))
+            else:
+                wake = _min_wake(wake, w.t)
+        return Decision(tuple(launches), wake)
+
+    def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
+        return None
+
+    def plan(self) -> Plan | None:
+        return None
+
+    def schedule(self) -> Schedule | None:
+        return None
+
+
+@dataclass
+class SpatialPolicy(SharedPolicy):
+    """GSLICE-like: each model on its knee slice (scaled to fit), concurrently, with
+    GSLICE's adaptive batch size.
+
+    Adaptive rule, applied after every batch: a request may wait for the batch before its
+    own and then run, so a batch should take at most half the SLO. Over that, shrink by
+    overflow / time-per-item; more than 10% under it, grow by headroom / time-per-item.
+    """
+
+    knees: dict[str, float] = field(default_factory=dict)
+    batch: dict[str, int] = field(default_factory=dict)
+    name: PolicyName = PolicyName.SPATIAL
+
+    def __post_init__(self) -> None:
+        for m in self.models:
+            self.batch.setdefault(m, 1)
+
+    def slices(self) -> dict[str, SliceSpec]:
+        return self.backend.allocate({m: self.knees.get(m, 100.0) for m in self.models})
+
+    def batch_cap(self, model: str) -> int:
+        return self.batch[model]
+
+    def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
+        self.batch[model] = gslice_adapt(
+            self.batch[model], n, compute_s, self.models[model].slo_s / 2,
+            self.models[model].max_batch,
+        )
+
+
+def gslice_adapt(batch: int, n: int, compute_s: float, target_s: float, cap: int) -> int:
+    """GSLICE's adaptive batching step (pure)."""
+    per_item = compute_s / max(n, 1)
+    if per_item <= 0:
+        return batch
+    if compute_s > target_s:
+        return max(1, batch - math.ceil((compute_s - target_s) / per_item))
+    if compute_s < 0.9 * target_s and n >= batch:  # only grow when the batch was full
+        return min(cap, batch + math.floor((target_s - compute_s) / per_item))
+    return batch
+
+
+# --------------------------------------------------------------------------- temporal
+
+
+@dataclass
+class TemporalPolicy(SharedPolicy):
+    """One model at a time on the whole device, round robin among those with work."""
+
+    batch: dict[str, int] = field(default_factory=dict)
+    name: PolicyName = PolicyName.TEMPORAL
+    _next: int = 0
+
+    def batch_cap(self, model: str) -> int:
+        return self.batch.get(model, self.models[model].max_batch)
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
+        if any(q.running for q in queues.values()):
+            return Decision()  # the device is taken; a finished batch wakes us
+        order = list(queues)
+        wake: float | None = None
+        for i in range(len(order)):
+            m = order[(self._next + i) % len(order)]
+            q = queues[m]
+            if q.items == 0 or q.head_arrival is None:
+                continue
+            p = self.models[m]
+            w = batch_window(now, q.items, q.head_arrival, q.head_deadline,
+                             self.batch_cap(m), p.max_queue_delay_s, self.latency.get(m))
+            if isinstance(w, TakeNow):
+                self._next = (order.index(m) + 1) % len(order)
+                return Decision((Launch(m, w.n),))
+            wake = _min_wake(wake, w.t)
+        return Decision((), wake)
+
+
+# --------------------------------------------------------------------------- dstack
+
+
+@dataclass
+class _Busy:
+    model: str
+    until: float
+    percent: float
+    units: tuple[int, ...]
+
+
+@dataclass
+class DStackPolicy:
+    """Follow the spatio-temporal schedule; reuse idle capacity.
+
+    Time is cut into cycles of `schedule.cycle_ms` starting at `origin`. Each slot
+    occurrence belongs to its model: when it starts, the model launches up to its planned
+    batch. A slot whose model had nothing queued when it began is *forfeited* for that
+    cycle: its capacity is idle. A model with queued work may then run outside its own
+    slot (reuse) if, for the whole predicted run, its slice fits beside every slot that
+    is not forfeited and every batch already running (<= 100% and disjoint units), and
+    it finishes before its own next slot, so no model is pushed past its bound.
+    """
+
+    models: dict[str, ModelParams]
+    backend: SliceBackend
+    the_plan: Plan
+    the_schedule: Schedule
+    origin: float
+    latency: dict[str, LinearLatency] = field(default_factory=dict)
+    reuse_idle: bool = True
+    name: PolicyName = PolicyName.DSTACK
+    # (slot index, cycle index) -> "used" | "forfeited"
+    _occ: dict[tuple[int, int], str] = field(default_factory=dict)
+    _busy: dict[str, _Busy] = field(default_factory=dict)
+
+    @property
+    def cycle_s(self) -> float:
+        return self.the_schedule.cycle_ms / 1000
+
+    def slices(self) -> dict[str, SliceSpec]:
+        out: dict[str, SliceSpec] = {}
+        for s in self.the_schedule.slots:
+            out.setdefault(s.model, self.backend.slice_for(s.percent, s.units))
+        return out
+
+    def plan(self) -> Plan | None:
+        return self.the_plan
+
+    def schedule(self) -> Schedule | None:
+        return self.the_schedule
+
+    def _planned_batch(self, model: str) -> int:
+        return self.the_plan.for_model(model).batch
+
+    def _occurrence(self, i: int, k: int) -> tuple[float, float]:
+        s = self.the_schedule.slots[i]
+        start = self.origin + k * self.cycle_s + s.start_ms / 1000
+        return start, start + s.duration_ms / 1000
+
+    def _estimate(self, model: str, n: int) -> float:
+        lat = self.latency.get(model)
+        if lat is not None:
+            return lat.estimate_s(n)
+        return self.the_plan.for_model(model).latency_ms / 1000
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
+        k_now = math.floor((now - self.origin) / self.cycle_s)
+        for m in list(self._busy):
+            if not queues[m].running:
+                del self._busy[m]
+        launches: list[Launch] = []
+        wake: float | None = None
+        # 1. Slot occurrences that have begun (this cycle and the last, for slots that
+        #    straddle a cycle boundary).
+        for k in (k_now - 1, k_now):
+            for i, s in enumerate(self.the_schedule.slots):
+                start, end = self._occurrence(i, k)
+                if not (start <= now + 1e-9 < end) or (i, k) in self._occ:
+                    continue
+                q = queues[s.model]
+                if q.items == 0:
+                    self._occ[(i, k)] = "forfeited"
+                    continue
+                if q.running:
+                    continue  # its own reuse batch is finishing; retry when it ends
+                n = min(q.items, self._planned_batch(s.model))
+                self._occ[(i, k)] = "used"
+                launches.append(Launch(s.model, n))
+                self._busy[s.model] = _Busy(s.model, now + self._estimate(s.model, n),
+                                            s.percent, s.units)
+        # 2. Reuse of idle capacity.
+        if self.reuse_idle:
+            for m, q in queues.items():
+                if q.items == 0 or q.running or m in self._busy:
+                    continue
+                n = min(q.items, self._planned_batch(m))
+                end = now + self._estimate(m, n)
+                if self._fits(m, now, end, k_now):
+                    mine = self._own_slot(m)
+                    launches.append(Launch(m, n, reuse=True))
+                    self._busy[m] = _Busy(m, end, mine.percent, mine.units)
+        # 3. Wake at the next slot start.
+        nxt = self._next_start(now, k_now)
+        wake = _min_wake(wake, nxt)
+        # Forget occurrences older than the last cycle.
+        self._occ = {key: v for key, v in self._occ.items() if key[1] >= k_now - 1}
+        return Decision(tuple(launches), wake)
+
+    def _own_slot(self, model: str) -> Slot:
+        return next(s for s in self.the_schedule.slots if s.model == model)
+
+    def _next_start(self, now: float, k_now: int) -> float | None:
+        best: float | None = None
+        for k in (k_now, k_now + 1):
+            for i in range(len(self.the_schedule.slots)):
+                start, _ = self._occurrence(i, k)
+                if start > now + 1e-9:
+                    best = _min_wake(best, start)
+        return best
+
+    def _fits(self, model: str, t0: float, t1: float, k_now: int) -> bool:
+        """May `model` run on its own slice during [t0, t1] outside its slot?"""
+        mine = self._own_slot(model)
+        load = mine.percent
+        units = set(mine.units)
+        for k in (k_now - 1, k_now, k_now + 1, k_now + 2):
+            for i, s in enumerate(self.the_schedule.slots):
+                start, end = self._occurrence(i, k)
+                if end <= t0 + 1e-9 or start >= t1 - 1e-9:
+                    continue
+                if s.model == model:
+                    return False  # would run into its own slot: wait for it instead
+                if self._occ.get((i, k)) == "forfeited" and start <= t0 + 1e-9:
+                    continue
+                if self._occ.get((i, k)) == "used" and s.model not in self._busy:
+                    continue  # its batch already ended: the rest of the slot is idle
+                load += s.percent
+                if units & set(s.units):
+                    return False
+        for b in self._busy.values():
+            if b.model != model and b.until > t0:
+                load += b.percent
+                if units & set(b.units):
+                    return False
+        return load <= 100.0 + 1e-9
+
+    def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
+        self._busy.pop(model, None)
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def make_policy(
+    name: PolicyName,
+    models: dict[str, ModelParams],
+    backend: SliceBackend,
+    *,
+    plan: Plan | None = None,
+    schedule: Schedule | None = None,
+    knees: dict[str, float] | None = None,
+    temporal_batch: dict[str, int] | None = None,
+    origin: float = 0.0,
+) -> Policy:
+    if name is PolicyName.SHARED:
+        return SharedPolicy(models, backend)
+    if name is PolicyName.TEMPORAL:
+        return TemporalPolicy(models, backend, batch=dict(temporal_batch or {}))
+    if name is PolicyName.SPATIAL:
+        return SpatialPolicy(models, backend, knees=dict(knees or {}))
+    if name is PolicyName.DSTACK:
+        if plan is None or schedule is None:
+            raise ValueError("policy dstack needs a plan and a schedule")
+        return DStackPolicy(models, backend, plan, schedule, origin)
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,129 @@
+"""Slice backends: where a worker runs and how much of the device it may use.
+
+A *slice* is a share of device compute (ARCHITECTURE.md). The parent decides slices
+(`SliceBackend.allocate`); the worker process applies its slice first thing, before the
+model is built (`enter_slice`), because on CUDA an MPS percentage is fixed when the context
+is created and on CPU the thread pool is sized once.
+
+- CPU: a set of cores (affinity) and `torch.set_num_threads(len(cores))`.
+- CUDA + MPS: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` set in the worker before CUDA starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """percent of the device; units = concrete cores (CPU) or () where there are none."""
+
+    percent: float
+    units: tuple[int, ...] = ()
+    device: str = "cpu"  # "cpu" | "cuda"
+    mechanism: str = "cpu-affinity"  # | "mps" | "none"
+
+
+class SliceBackend(Protocol):
+    kind: str
+
+    @property
+    def total_units(self) -> int: ...
+
+    def whole(self) -> SliceSpec:
+        """The whole device (100%)."""
+        ...
+
+    def slice_for(self, percent: float, units: tuple[int, ...] = ()) -> SliceSpec: ...
+
+    def allocate(self, percents: dict[str, float]) -> dict[str, SliceSpec]:
+        """Concurrent slices for models that run at the same time; disjoint where the
+        device has units and there are enough of them."""
+        ...
+
+
+def available_cores() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+class CpuSlices:
+    """Slices of a CPU as disjoint core sets."""
+
+    kind = "cpu"
+
+    def __init__(self, cores: tuple[int, ...] | None = None) -> None:
+        self.cores = tuple(cores) if cores else available_cores()
+
+    @property
+    def total_units(self) -> int:
+        return len(self.cores)
+
+    def cores_for(self, percent: float) -> int:
+        """Cores a percentage needs, rounded up (a slice never gets less than asked)."""
+        return max(1, min(len(self.cores), math.ceil(percent / 100 * len(self.cores) - 1e-9)))
+
+    def whole(self) -> SliceSpec:
+        return SliceSpec(100.0, self.cores)
+
+    def slice_for(self, percent: float, units: tuple[int, ...] = ()) -> SliceSpec:
+        if not units:
+            units = self.cores[: self.cores_for(percent)]
+        return SliceSpec(100.0 * len(units) / len(self.cores), tuple(units))
+
+    def allocate(self, percents: dict[str, float]) -> dict[str, SliceSpec]:
+        counts = {m: self.cores_for(p) for m, p in percents.items()}
+        # Scale down (largest first) until the core sets fit side by side, never below 1.
+        while sum(counts.values()) > len(self.cores) and max(counts.values()) > 1:
+            biggest = max(counts, key=lambda m: counts[m])
+            counts[biggest] -= 1
+        out: dict[str, SliceSpec] = {}
+        nxt = 0
+        for m, c in counts.items():
+            # More models than cores: wrap around (those slices then share cores).
+            units = tuple(self.cores[(nxt + i) % len(self.cores)] for i in range(c))
+            nxt = (nxt + c) % len(self.cores)
+            out[m] = SliceSpec(100.0 * c / len(self.cores), units)
+        return out
+
+
+class MpsSlices:
+    """CUDA MPS: a thread percentage per worker process; no concrete units."""
+
+    kind = "cuda"
+
+    def __init__(self, sm_count: int = 100) -> None:
+        self.sm_count = sm_count
+
+    @property
+    def total_units(self) -> int:
+        return self.sm_count
+
+    def whole(self) -> SliceSpec:
+        return SliceSpec(100.0, (), "cuda", "mps")
+
+    def slice_for(self, percent: float, units: tuple[int, ...] = ()) -> SliceSpec:
+        return SliceSpec(float(min(100.0, max(1.0, percent))), (), "cuda", "mps")
+
+    def allocate(self, percents: dict[str, float]) -> dict[str, SliceSpec]:
+        total = sum(percents.values())
+        scale = min(1.0, 100.0 / total) if total else 1.0
+        return {m: self.slice_for(p * scale) for m, p in percents.items()}
+
+
+def enter_slice(s: SliceSpec) -> int:
+    """Apply a slice inside the worker process; returns the thread count to use."""
+    import torch
+
+    if s.device == "cpu":
+        if s.units:
+            os.sched_setaffinity(0, set(s.units))
+        threads = max(1, len(s.units) or len(available_cores()))
+        torch.set_num_threads(threads)
+        return threads
+    if s.mechanism == "mps":
+        # Read by the CUDA driver when this process creates its context: must precede it.
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{s.percent:g}"
+    return torch.get_num_threads()

@@ -1,0 +1,285 @@
+"""Worker processes: one per model slice, started with `spawn`.
+
+The child applies its slice, builds the model, warms it up, reports `Ready`, then runs the
+batches it is told to, reading inputs from and writing outputs to its shared-memory arena.
+The parent side (`WorkerHandle`) is asyncio: it waits on the pipe with `add_reader`, so a
+dead worker is noticed at once (EOF on the pipe) and its in-flight batch is failed.
+
+States: starting -> ready -> (draining ->) stopped; `dead` when the process went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from enum import StrEnum
+from multiprocessing.connection import Connection
+
+from dstack.errors import BackendError, Unavailable
+from dstack.messages import (
+    BatchDone,
+    BatchFailed,
+    FromWorker,
+    Ready,
+    RunBatch,
+    StartFailed,
+    Stop,
+)
+from dstack.shm import Arena, ArenaLayout
+from dstack.slices import SliceSpec, enter_slice
+from dstack.types import ModelSpec
+
+log = logging.getLogger("dstack.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker process needs; picklable."""
+
+    model: str  # served name
+    zoo_name: str
+    spec: ModelSpec
+    slice: SliceSpec
+    arena_name: str
+    layout: ArenaLayout
+    warmup_batch: int = 1
+    weights: str | None = None
+    torchscript: str | None = None
+    builder: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- child side
+
+
+def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
+    os.environ.update(cfg.extra_env)
+    try:
+        enter_slice(cfg.slice)
+        import torch
+
+        import models
+
+        model = models.load_model(
+            cfg.zoo_name, weights=cfg.weights, builder=cfg.builder, torchscript=cfg.torchscript
+        )
+        device = torch.device("cuda" if cfg.slice.device == "cuda" else "cpu")
+        model = model.to(device)
+        arena = Arena(cfg.layout, name=cfg.arena_name)
+        out_names = [r.name for r in cfg.layout.outputs]
+
+        def run(n: int) -> None:
+            xs = [torch.from_numpy(a).to(device, non_blocking=True)
+                  for a in arena.inputs(n).values()]
+            with torch.inference_mode():
+                y = model(*xs)
+            ys = y if isinstance(y, (tuple, list)) else (y,)
+            if len(ys) != len(out_names):
+                raise RuntimeError(f"model returned {len(ys)} outputs, spec has {len(out_names)}")
+            outs = arena.outputs(n)
+            for name, t in zip(out_names, ys, strict=True):
+                if t.shape[0] != n:
+                    raise RuntimeError(f"output {name} has {t.shape[0]} rows for {n} inputs")
+                outs[name][...] = t.detach().to("cpu").numpy()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def timed(n: int) -> float:
+            t0 = time.perf_counter()
+            run(n)
+            return (time.perf_counter() - t0) * 1000
+
+        # Warm-up: allocator and kernels at the planned and the largest batch, then timed
+        # points for the latency model.
+        warm_b = max(1, min(cfg.warmup_batch, cfg.layout.max_batch))
+        for a in arena.inputs(cfg.layout.max_batch).values():
+            a[...] = 0
+        for b in {1, warm_b, cfg.layout.max_batch}:
+            timed(b)
+        ms1 = min(timed(1) for _ in range(2))
+        ms_max = timed(cfg.layout.max_batch)
+        conn.send(Ready(os.getpid(), ms1, ms_max, cfg.layout.max_batch))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, then exit
+        conn.send(StartFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        return
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break  # parent went away
+        if isinstance(msg, Stop):
+            break
+        assert isinstance(msg, RunBatch)
+        start = time.monotonic()
+        try:
+            run(msg.n)
+            conn.send(BatchDone(msg.batch_id, msg.n, start, time.monotonic() - start))
+        except Exception as e:  # noqa: BLE001 - a bad batch fails its requests, not the worker
+            conn.send(BatchFailed(msg.batch_id, f"{type(e).__name__}: {e}"))
+    arena.close()
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
+class WorkerHandle:
+    """The parent's end of one worker. Runs at most one batch at a time."""
+
+    _ctx = mp.get_context("spawn")
+
+    def __init__(self, cfg: WorkerConfig, arena: Arena) -> None:
+        self.cfg = cfg
+        self.arena = arena
+        self.state = WorkerState.STARTING
+        self.ready_info: Ready | None = None
+        self.busy = False
+        self._batch_id = 0
+        self._pending: asyncio.Future[BatchDone] | None = None
+        self._ready_fut: asyncio.Future[Ready] | None = None
+        self._conn, child = self._ctx.Pipe(duplex=True)
+        self.proc = self._ctx.Process(
+            target=_worker_main, args=(cfg, child), name=f"dstack-worker-{cfg.model}",
+            daemon=True,
+        )
+        self._child_conn = child
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_death: list = []  # callbacks(handle) run when the process dies unexpectedly
+
+    @classmethod
+    def create(cls, cfg_without_arena: WorkerConfig) -> WorkerHandle:
+        arena = Arena(cfg_without_arena.layout)
+        cfg = WorkerConfig(**{**_fields(cfg_without_arena), "arena_name": arena.name})
+        return cls(cfg, arena)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    async def start(self, timeout_s: float = 300.0) -> Ready:
+        self._loop = asyncio.get_running_loop()
+        self._ready_fut = self._loop.create_future()
+        self.proc.start()
+        self._child_conn.close()
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        try:
+            info = await asyncio.wait_for(self._ready_fut, timeout_s)
+        except TimeoutError:
+            await self.kill()
+            raise Unavailable(
+                f"worker for {self.cfg.model} did not start in {timeout_s:g} s"
+            ) from None
+        self.ready_info = info
+        self.state = WorkerState.READY
+        return info
+
+    def _on_readable(self) -> None:
+        try:
+            msg: FromWorker = self._conn.recv()
+        except (EOFError, OSError):
+            self._on_eof()
+            return
+        if isinstance(msg, Ready):
+            if self._ready_fut and not self._ready_fut.done():
+                self._ready_fut.set_result(msg)
+        elif isinstance(msg, StartFailed):
+            if self._ready_fut and not self._ready_fut.done():
+                self._ready_fut.set_exception(
+                    Unavailable(f"worker for {self.cfg.model} failed to start: {msg.error}")
+                )
+        elif isinstance(msg, (BatchDone, BatchFailed)):
+            fut, self._pending = self._pending, None
+            self.busy = False
+            if fut is None or fut.done():
+                return
+            if isinstance(msg, BatchDone):
+                fut.set_result(msg)
+            else:
+                fut.set_exception(BackendError(f"{self.cfg.model}: {msg.error}"))
+
+    def _on_eof(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
+        was = self.state
+        self.state = WorkerState.DEAD if was not in (WorkerState.STOPPED,) else was
+        self.busy = False
+        exitcode = self.proc.exitcode
+        err = BackendError(f"worker for {self.cfg.model} died (exit code {exitcode})")
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_exception(err)
+        self._pending = None
+        if self._ready_fut is not None and not self._ready_fut.done():
+            self._ready_fut.set_exception(
+                Unavailable(f"worker for {self.cfg.model} exited during start-up")
+            )
+        if was in (WorkerState.READY, WorkerState.DRAINING):
+            for cb in self.on_death:
+                cb(self)
+
+    async def run(self, n: int) -> BatchDone:
+        """Run the n items already written to the arena's inputs."""
+        if self.state is not WorkerState.READY or self.busy:
+            raise BackendError(f"worker for {self.cfg.model} cannot take a batch ({self.state})")
+        assert self._loop is not None
+        self._batch_id += 1
+        fut: asyncio.Future[BatchDone] = self._loop.create_future()
+        self._pending = fut
+        self.busy = True
+        try:
+            self._conn.send(RunBatch(self._batch_id, n))
+        except (BrokenPipeError, OSError):
+            self._on_eof()
+        return await fut
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit, then make sure it did; frees the arena."""
+        if self.state in (WorkerState.STOPPED,):
+            return
+        self.state = WorkerState.STOPPED
+        if self.proc.is_alive():
+            try:
+                self._conn.send(Stop())
+            except (BrokenPipeError, OSError):
+                pass
+            deadline = time.monotonic() + timeout_s
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        await self.kill()
+
+    async def kill(self) -> None:
+        if self.proc.pid is not None and self.proc.is_alive():
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.join, 5)
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError):
+                pass
+        self._conn.close()
+        self.arena.close()
+        if self.state is not WorkerState.DEAD:
+            self.state = WorkerState.STOPPED
+
+
+def _fields(cfg: WorkerConfig) -> dict[str, object]:
+    return {f: getattr(cfg, f) for f in WorkerConfig.__dataclass_fields__}
+
+
+def arena_for(spec: ModelSpec) -> ArenaLayout:
+    return ArenaLayout.for_spec(spec)
+
+
+__all__ = ["WorkerConfig", "WorkerHandle", "WorkerState", "arena_for"]
