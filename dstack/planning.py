@@ -42,8 +42,8 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
         if prof is None:
             raise ConfigError(
                 f"models.{m.name}: no profile in {cfg.profiles} "
-                f"(have {', '.join(sorted(by_model))}); make one with: knee-profiler profile {m.zoo} --device {cfg.device.value} "
-                f"--out {cfg.profiles}"
+                f"(have {', '.join(sorted(by_model))}); make one with: "
+                f"knee-profiler profile {m.zoo} --device {cfg.device.value} --out {cfg.profiles}"
             )
         if check_device and prof.device.kind != cfg.device.value:
             raise ConfigError(
