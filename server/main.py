@@ -52,7 +52,9 @@ def bind(host: str, port: int) -> socket.socket:
     """Bind the listening socket ourselves, so that port 0 resolves to a real port
     that can be logged (and read by tests) before the workers start."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say TCP,
+    # and without it every response waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -101,6 +103,10 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
     server = make_server(build_app(cfg), log_level=cfg.server.log_level)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully (lifespan included), then re-raises Ctrl-C.
+        pass
     finally:
         sock.close()
+    log.info("dstack stopped")
     return 0 if server.started else 1

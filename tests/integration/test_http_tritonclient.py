@@ -4,6 +4,8 @@ lifespan of `server.main.build_app`: the runtime starts before serving and stops
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -81,3 +83,26 @@ def test_errors_reach_the_client_and_it_keeps_working(
     with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
         client.infer("nope", [bad])
     np.testing.assert_array_equal(client.infer("double", [ok]).as_numpy("y"), [[2, 2, 2]])
+
+
+def test_accepted_connections_get_tcp_nodelay() -> None:
+    """Without TCP_NODELAY every small response waits ~40 ms for the client's delayed
+    ACK (a 1 ms request took 44 ms); asyncio sets it only on sockets that say TCP."""
+    sock = bind("127.0.0.1", 0)
+    nodelay: list[int] = []
+
+    async def main() -> None:
+        async def on_connect(_: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            s = w.get_extra_info("socket")
+            nodelay.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            w.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, w = await asyncio.open_connection(*sock.getsockname())
+        while not nodelay:
+            await asyncio.sleep(0.01)
+        w.close()
+        server.close()
+
+    asyncio.run(main())
+    assert nodelay == [1]
