@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.backend import InferenceBackend, ModelStats
@@ -90,11 +91,15 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
             )
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_body_bytes:
-            raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > max_body_bytes:
+                raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody is left to answer; a 400 keeps it out of the unhandled-error log.
+        raise RequestError(f"client disconnected after {total} bytes of the body") from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

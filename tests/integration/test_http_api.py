@@ -354,13 +354,10 @@ def test_not_ready_model_gets_503_and_others_still_serve(
     good_request(client)
 
 
-def test_oversized_content_length_is_refused_before_the_body_is_read(backend: FakeBackend) -> None:
-    """413 from the header alone: the app never asks for the body."""
-    app = create_app(backend, max_body_bytes=LIMIT)
+def raw_asgi_post(app: Any, headers: list[tuple[bytes, bytes]], receive: Any) -> list[dict]:
+    """POST to the double model's infer route straight through ASGI, with our own
+    `receive` (to see whether and how the body is read); returns the sent messages."""
     sent: list[dict] = []
-
-    async def receive() -> dict:
-        raise AssertionError("the body was read")
 
     async def send(message: dict) -> None:
         sent.append(message)
@@ -375,10 +372,41 @@ def test_oversized_content_length_is_refused_before_the_body_is_read(backend: Fa
         "raw_path": b"/v2/models/double/infer",
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-length", str(10 * LIMIT).encode())],
+        "headers": headers,
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }
     anyio.run(app, scope, receive, send)
+    return sent
+
+
+def test_oversized_content_length_is_refused_before_the_body_is_read(backend: FakeBackend) -> None:
+    """413 from the header alone: the app never asks for the body."""
+
+    async def receive() -> dict:
+        raise AssertionError("the body was read")
+
+    app = create_app(backend, max_body_bytes=LIMIT)
+    sent = raw_asgi_post(app, [(b"content-length", str(10 * LIMIT).encode())], receive)
     assert sent[0]["status"] == 413
     assert "exceeds the limit" in json.loads(sent[1]["body"])["error"]
+
+
+def test_client_disconnect_mid_body_is_not_an_internal_error(
+    backend: FakeBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    messages = iter(
+        [
+            {"type": "http.request", "body": b'{"inputs": ', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+
+    async def receive() -> dict:
+        return next(messages)
+
+    app = create_app(backend, max_body_bytes=LIMIT)
+    sent = raw_asgi_post(app, [(b"content-length", b"1000")], receive)
+    assert sent[0]["status"] == 400
+    assert "client disconnected after 11 bytes" in json.loads(sent[1]["body"])["error"]
+    assert "unhandled" not in caplog.text

@@ -146,7 +146,6 @@ def test_requested_outputs_choose_which_and_how() -> None:
 
 
 def test_per_output_binary_flag_overrides_the_request_default() -> None:
-    x = np.zeros((1, 3, 4, 4), np.float32)
     head = {
         "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 4, 4], "data": [0] * 48}],
         "outputs": [
@@ -165,7 +164,6 @@ def test_per_output_binary_flag_overrides_the_request_default() -> None:
     resp = codec.decode_response(body, hlen)
     np.testing.assert_array_equal(resp.outputs["output"], outs["output"])
     np.testing.assert_array_equal(resp.outputs["label"], [7])
-    del x
 
 
 def test_backend_returning_a_wrong_output_is_a_server_error() -> None:
