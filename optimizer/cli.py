@@ -1,0 +1,100 @@
+"""`dstack plan`: solve a deployment config against a profile directory and print the plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dstack.config import ConfigError, load_config
+from dstack.types import Plan, ProfileError, SolverStatus, load_profiles
+from optimizer.formulation import SolveOptions
+from optimizer.packing import pack
+from optimizer.solve import solve
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table, then the cycle, status and shortfalls."""
+    head = (
+        f"{'model':20s} {'batch':>5s} {'slice%':>6s} {'latency':>9s} {'start':>8s} "
+        f"{'served/expected rps':>21s} {'SLO':>8s}"
+    )
+    lines = [head, "-" * len(head)]
+    for m in plan.models:
+        rate = f"{m.served_rps:.0f} / {m.expected_rps:.0f}"
+        lines.append(
+            f"{m.model:20s} {m.batch:5d} {m.percent:6g} {m.latency_ms:6.1f} ms "
+            f"{m.offset_ms:5.1f} ms {rate:>21s} {m.slo_ms:5g} ms"
+        )
+    lines.append(
+        f"cycle {plan.cycle_ms:.2f} ms; weighted goodput {plan.objective:.1f} rps; "
+        f"status {plan.status.value}; solved in {plan.solve_time_s:.2f} s"
+    )
+    lines.extend(f"  short: {s.reason}" for s in plan.shortfalls)
+    return "\n".join(lines)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """Exit 0 when every model is placed (optimal or partial), 1 when some cannot be."""
+    cfg = load_config(args.config)
+    directory = args.profiles or cfg.profiles
+    if directory is None:
+        raise ConfigError(f"{args.config}: no `profiles:` in the config and no --profiles given")
+    profiles = load_profiles(directory)
+    by_model = {}
+    for m in cfg.models:
+        prof = profiles.get(m.name) or profiles.get(m.zoo)
+        if prof is None:
+            raise ProfileError(f"{directory}: no profile for model {m.name!r}")
+        by_model[m.name] = prof if prof.model == m.name else _renamed(prof, m.name)
+    options = SolveOptions(max_batch={m.name: m.max_batch_size for m in cfg.models})
+    plan = solve(by_model, [m.slo() for m in cfg.models], options)
+    print(format_plan(plan))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    if getattr(args, "plot", None):
+        draw_gantt(plan, args.plot)
+    return 1 if plan.status is SolverStatus.INFEASIBLE else 0
+
+
+def _renamed(prof, name: str):
+    from dataclasses import replace
+
+    return replace(prof, model=name)
+
+
+def draw_gantt(plan: Plan, path: str | Path) -> None:
+    """The packed schedule: time across, slice % up, one rectangle per slot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sched = pack(plan)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    colours = plt.get_cmap("tab10")
+    base: dict[float, float] = {}  # shelf start -> % already stacked there
+    for i, s in enumerate(sched.slots):
+        y = base.get(s.start_ms, 0.0)
+        base[s.start_ms] = y + s.percent
+        ax.add_patch(
+            plt.Rectangle(
+                (s.start_ms, y), s.duration_ms, s.percent, color=colours(i % 10), alpha=0.8
+            )
+        )
+        ax.text(
+            s.start_ms + s.duration_ms / 2,
+            y + s.percent / 2,
+            s.model,
+            ha="center",
+            va="center",
+            fontsize=8,
+        )
+    ax.set_xlim(0, max(sched.cycle_ms, 1e-9))
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("time in cycle (ms)")
+    ax.set_ylabel("slice %")
+    ax.set_title(f"cycle {plan.cycle_ms:.1f} ms")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

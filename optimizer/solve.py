@@ -1,0 +1,182 @@
+"""`solve`: profiles + SLOs -> Plan. Prepares the data, calls the MILP, and turns the
+chosen assignment into a Plan with exact numbers and plain-words shortfalls."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from dstack.types import (
+    ModelPlan,
+    ModelSLO,
+    Plan,
+    Profile,
+    ProfileError,
+    Shortfall,
+    SolverStatus,
+)
+from optimizer.formulation import (
+    Choice,
+    ModelInput,
+    SolveOptions,
+    evaluate,
+    model_input,
+    prune,
+    unplaceable_reason,
+)
+from optimizer.milp import solve_shelves
+
+log = logging.getLogger(__name__)
+
+
+def _rps(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def solve(
+    profiles: Mapping[str, Profile],
+    slos: Sequence[ModelSLO],
+    options: SolveOptions | None = None,
+) -> Plan:
+    """Choose batch, slice % and shelf per model, and the cycle (see the package docstring).
+
+    Every model in `slos` needs a profile in `profiles` (ProfileError otherwise). Returns a
+    Plan: OPTIMAL when every model gets its expected rate, PARTIAL when some fall short
+    (each named in `shortfalls` with its numbers), INFEASIBLE when some model cannot be
+    placed at all (named, with the reason); the plan for the other models is returned."""
+    started = time.perf_counter()
+    options = options or SolveOptions()
+    deadline = started + options.time_limit_s
+    names = [s.model for s in slos]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a model appears twice in the SLOs: {names}")
+    missing = [n for n in names if n not in profiles]
+    if missing:
+        raise ProfileError(f"no profile for {', '.join(missing)} (have {sorted(profiles)})")
+
+    inputs = [model_input(profiles[s.model], s, options) for s in slos]
+    shortfalls: list[Shortfall] = []
+    alive: list[ModelInput] = []
+    for m in inputs:
+        reason = unplaceable_reason(m)
+        if reason is None:
+            alive.append(m)
+        else:
+            shortfalls.append(Shortfall(m.name, reason))
+
+    picks: tuple[Choice | None, ...] = ()
+    shelves: tuple[int | None, ...] = ()
+    proven = True
+    if alive:
+        shelves_cap = options.max_shelves or len(alive)
+        t_lo = max(min(c.latency_ms for c in m.choices) for m in alive)
+        strict = [prune(m, t_lo) for m in alive]
+        found = None
+        if all(m.choices for m in strict):
+            found = solve_shelves(
+                strict,
+                max_shelves=shelves_cap,
+                deadline=deadline,
+                goodput_rel_tol=options.goodput_rel_tol,
+                require_all=True,
+            )
+        if found is None:
+            # Not all of them fit in one cycle: place as many (by weight) as possible.
+            t_lo = min(min(c.latency_ms for c in m.choices) for m in alive)
+            alive = [prune(m, t_lo) for m in alive]
+            found = solve_shelves(
+                alive,
+                max_shelves=shelves_cap,
+                deadline=deadline,
+                goodput_rel_tol=options.goodput_rel_tol,
+                require_all=False,
+            )
+        else:
+            alive = strict
+        if found is not None:
+            picks, shelves, proven = found.picks, found.shelves, found.proven_optimal
+        else:
+            picks, shelves = (None,) * len(alive), (None,) * len(alive)
+    if not proven:
+        log.warning(
+            "CBC stopped at the %.1f s time limit: the plan is the best found, not proven optimal",
+            options.time_limit_s,
+        )
+
+    ev = evaluate(alive, picks, shelves) if any(p is not None for p in picks) else None
+    model_plans: list[ModelPlan] = []
+    if ev is not None:
+        model_plans = _model_plans(alive, picks, shelves, ev.cycle_ms)
+    for m, c in zip(alive, picks, strict=True):
+        if c is None:
+            shortfalls.append(
+                Shortfall(
+                    m.name,
+                    f"{m.name} cannot run in the same cycle as the models placed: no cycle "
+                    f"is both short enough for every SLO and long enough to run every batch",
+                )
+            )
+    infeasible = bool(shortfalls)
+    for mp, m in zip(model_plans, [m for m, c in zip(alive, picks, strict=True) if c], strict=True):
+        if mp.served_rps < mp.expected_rps * (1 - 1e-6):
+            note = "" if m.rate_known else " (rate unknown: assumed its batch-1 capacity)"
+            shortfalls.append(
+                Shortfall(
+                    mp.model,
+                    f"{mp.model}: serves {_rps(mp.served_rps)} rps of "
+                    f"{_rps(mp.expected_rps)} expected{note}",
+                )
+            )
+    if infeasible:
+        status = SolverStatus.INFEASIBLE
+    elif len(shortfalls) > 0:
+        status = SolverStatus.PARTIAL
+    else:
+        status = SolverStatus.OPTIMAL
+    return Plan(
+        models=tuple(model_plans),
+        cycle_ms=ev.cycle_ms if ev is not None else 0.0,
+        objective=ev.goodput if ev is not None else 0.0,
+        status=status,
+        solve_time_s=time.perf_counter() - started,
+        shortfalls=tuple(shortfalls),
+    )
+
+
+def _model_plans(
+    models: Sequence[ModelInput],
+    picks: Sequence[Choice | None],
+    shelves: Sequence[int | None],
+    cycle_ms: float,
+) -> list[ModelPlan]:
+    """ModelPlans with shelf offsets: shelves in order of decreasing duration."""
+    durations: dict[int, float] = {}
+    for c, k in zip(picks, shelves, strict=True):
+        if c is not None and k is not None:
+            durations[k] = max(durations.get(k, 0.0), c.latency_ms)
+    order = sorted(durations, key=lambda k: (-durations[k], k))
+    offset: dict[int, float] = {}
+    t = 0.0
+    for k in order:
+        offset[k] = t
+        t += durations[k]
+    out = []
+    for m, c, k in zip(models, picks, shelves, strict=True):
+        if c is None or k is None:
+            continue
+        thr = 1000.0 * c.batch / cycle_ms
+        out.append(
+            ModelPlan(
+                model=m.name,
+                batch=c.batch,
+                percent=c.percent,
+                latency_ms=c.latency_ms,
+                throughput_rps=thr,
+                expected_rps=m.rate_rps,
+                served_rps=min(thr, m.rate_rps),
+                slo_ms=m.slo_ms,
+                offset_ms=offset[k],
+            )
+        )
+    return out
