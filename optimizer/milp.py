@@ -37,6 +37,11 @@ class Assignment:
     proven_optimal: bool
 
 
+class SolverTimeout(RuntimeError):
+    """CBC found no assignment at all before the deadline (which says nothing about
+    whether one exists)."""
+
+
 class _Timer:
     """One deadline (time.perf_counter() value) shared by every CBC call of a solve."""
 
@@ -117,9 +122,7 @@ def solve_shelves(
         )
         prob += s[i] <= 1000.0 * pulp.lpSum(c_of[j].batch * z[(i, j, k)] for (_, j, k) in mine)
         for k in shelves_of[i]:
-            prob += e[k] >= pulp.lpSum(
-                c_of[j].latency_ms * z[(i, j, kk)] for (_, j, kk) in mine if kk == k
-            )
+            prob += e[k] >= pulp.lpSum(c.latency_ms * z[(i, j, k)] for j, c in enumerate(c_of))
     for k in range(n_shelves):
         prob += (
             pulp.lpSum(models[i].choices[j].percent * x[(i, j, kk)] for (i, j, kk) in by_shelf[k])
@@ -149,6 +152,8 @@ def solve_shelves(
             solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=timer.left(), warmStart=warm)
         prob.solve(solver)
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            if prob.status != pulp.LpStatusInfeasible and time.perf_counter() >= timer.deadline:
+                raise SolverTimeout("no assignment found before the time limit")
             return False
         proven = proven and prob.sol_status == pulp.LpSolutionOptimal
         warm = True

@@ -25,7 +25,7 @@ from optimizer.formulation import (
     prune,
     unplaceable_reason,
 )
-from optimizer.milp import solve_shelves
+from optimizer.milp import SolverTimeout, solve_shelves
 
 log = logging.getLogger(__name__)
 
@@ -68,35 +68,40 @@ def solve(
     picks: tuple[Choice | None, ...] = ()
     shelves: tuple[int | None, ...] = ()
     proven = True
+    timed_out = False
     if alive:
-        shelves_cap = options.max_shelves or len(alive)
-        t_lo = max(min(c.latency_ms for c in m.choices) for m in alive)
-        strict = [prune(m, t_lo) for m in alive]
-        found = None
-        if all(m.choices for m in strict):
-            found = solve_shelves(
-                strict,
-                max_shelves=shelves_cap,
-                deadline=deadline,
-                goodput_rel_tol=options.goodput_rel_tol,
-                require_all=True,
-            )
-        if found is None:
-            # Not all of them fit in one cycle: place as many (by weight) as possible.
-            t_lo = min(min(c.latency_ms for c in m.choices) for m in alive)
-            alive = [prune(m, t_lo) for m in alive]
-            found = solve_shelves(
-                alive,
-                max_shelves=shelves_cap,
-                deadline=deadline,
-                goodput_rel_tol=options.goodput_rel_tol,
-                require_all=False,
-            )
-        else:
-            alive = strict
-        if found is not None:
-            picks, shelves, proven = found.picks, found.shelves, found.proven_optimal
-        else:
+        try:
+            shelves_cap = options.max_shelves or len(alive)
+            t_lo = max(min(c.latency_ms for c in m.choices) for m in alive)
+            strict = [prune(m, t_lo) for m in alive]
+            found = None
+            if all(m.choices for m in strict):
+                found = solve_shelves(
+                    strict,
+                    max_shelves=shelves_cap,
+                    deadline=deadline,
+                    goodput_rel_tol=options.goodput_rel_tol,
+                    require_all=True,
+                )
+            if found is None:
+                # Not all of them fit in one cycle: place as many (by weight) as possible.
+                t_lo = min(min(c.latency_ms for c in m.choices) for m in alive)
+                alive = [prune(m, t_lo) for m in alive]
+                found = solve_shelves(
+                    alive,
+                    max_shelves=shelves_cap,
+                    deadline=deadline,
+                    goodput_rel_tol=options.goodput_rel_tol,
+                    require_all=False,
+                )
+            else:
+                alive = strict
+            if found is not None:
+                picks, shelves, proven = found.picks, found.shelves, found.proven_optimal
+            else:
+                picks, shelves = (None,) * len(alive), (None,) * len(alive)
+        except SolverTimeout:
+            timed_out = True
             picks, shelves = (None,) * len(alive), (None,) * len(alive)
     if not proven:
         log.warning(
@@ -109,7 +114,16 @@ def solve(
     if ev is not None:
         model_plans = _model_plans(alive, picks, shelves, ev.cycle_ms)
     for m, c in zip(alive, picks, strict=True):
-        if c is None:
+        if c is None and timed_out:
+            shortfalls.append(
+                Shortfall(
+                    m.name,
+                    f"{m.name}: CBC found no plan within the {options.time_limit_s:g} s time "
+                    "limit (not proof that none exists); raise time_limit_s or lower "
+                    "max_shelves",
+                )
+            )
+        elif c is None:
             shortfalls.append(
                 Shortfall(
                     m.name,
