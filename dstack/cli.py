@@ -60,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     sim = sub.add_parser("simulate", help="replay a workload against policies on a virtual clock")
+    sim.add_argument("--config", required=True, help="deployment YAML (models, SLOs, rate_rps)")
+    sim.add_argument("--profiles", default=None,
+                     help="profile directory (default: the config's `profiles:`)")
+    sim.add_argument("--workload", default="poisson",
+                     help="poisson | burst:x2@60s+30s[:model] | ramp:0.5..2 | trace:FILE.csv "
+                     "(docs/simulator.md)")
+    sim.add_argument("--policies", default="dstack,temporal,shared,spatial",
+                     help="comma-separated policies to compare")
+    sim.add_argument("--duration", default="600s", help="simulated time, e.g. 600s, 10m")
+    sim.add_argument("--seed", type=int, default=1, help="random seed of the workload")
+    sim.add_argument("--plot", default=None, help="write a timeline + latency-CDF PNG here")
+    sim.add_argument("--plot-window", default="300ms",
+                     help="how much of the run's start the timeline shows")
     sim.set_defaults(func=_cmd_simulate)
     return p
 

@@ -1,0 +1,38 @@
+"""`dstack simulate`: the server's own policy objects on a virtual clock.
+
+- `workload`: arrivals (Poisson, bursts, ramps, CSV traces) from a SPEC string.
+- `latency`: L(b, p) for any batch and slice from a profile (interpolation rules there).
+- `engine`: the discrete-event loop mirroring `dstack.runtime` (admission, refusal,
+  dispatch, contention by processor sharing).
+- `ideal`: the ideal bound, an LP over the profiles that no policy can beat.
+- `simulation`: sets up each policy with `dstack.planning.setup_policy` and runs it.
+- `report`, `plot`, `cli`: numbers, pictures, the command.
+"""
+
+from dstack.simulate.engine import RunResult, SimModel, run
+from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
+from dstack.simulate.latency import latency_ms, latency_table_s
+from dstack.simulate.report import PolicyReport, format_table
+from dstack.simulate.simulation import Simulation, backend_for, simulate
+from dstack.simulate.workload import Arrivals, WorkloadError, generate, read_trace, write_trace
+
+__all__ = [
+    "Arrivals",
+    "PolicyReport",
+    "RunResult",
+    "SimModel",
+    "Simulation",
+    "WorkloadError",
+    "backend_for",
+    "cost_per_request_s",
+    "fluid_bound",
+    "format_table",
+    "generate",
+    "ideal_bound_rps",
+    "latency_ms",
+    "latency_table_s",
+    "read_trace",
+    "run",
+    "simulate",
+    "write_trace",
+]

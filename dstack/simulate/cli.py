@@ -1,0 +1,54 @@
+"""`dstack simulate`: flags (defined in `dstack.cli`) -> `simulate()` -> the report
+table (and a plot)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dstack.config import ConfigError, PolicyName, load_config
+from dstack.planning import served_profiles
+from dstack.simulate.report import format_per_model, format_table
+from dstack.simulate.simulation import simulate
+from dstack.simulate.workload import WorkloadError, generate, parse_duration
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.profiles is not None:
+        cfg = cfg.model_copy(update={"profiles": Path(args.profiles).resolve()})
+    if cfg.profiles is None:
+        raise ConfigError("dstack simulate needs profiles: give --profiles or `profiles:`")
+    try:
+        policies = [PolicyName(p.strip()) for p in args.policies.split(",") if p.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--policies {args.policies!r}: choose from {', '.join(p.value for p in PolicyName)}"
+        ) from None
+    try:
+        duration = parse_duration(args.duration)
+        window = parse_duration(args.plot_window)
+        arrivals = generate(args.workload, {m.name: m.rate_rps for m in cfg.models}, duration,
+                            args.seed)
+    except WorkloadError as e:
+        raise ConfigError(str(e)) from None
+    profiles = served_profiles(cfg, check_device=False)
+    started = time.perf_counter()
+    sim = simulate(cfg, profiles, arrivals, policies, duration,
+                   timeline_s=window if args.plot else 0.0)
+    wall = time.perf_counter() - started
+    print(f"workload {args.workload}, {duration:g} s, seed {args.seed}: "
+          f"{arrivals.times.size} requests; ideal bound {sim.ideal_rps:.1f} rps "
+          f"(fluid bound at the nominal rates {sim.fluid_rps:.1f} rps)")
+    print(format_table(sim.reports))
+    print()
+    print("goodput per model (rps within SLO):")
+    print(format_per_model(sim.reports))
+    print(f"\nsimulated in {wall:.1f} s")
+    if args.plot:
+        from dstack.simulate.plot import plot
+
+        plot(sim.results, {m.name: m.slo_ms for m in cfg.models}, args.plot, window)
+        print(f"plot written to {args.plot}")
+    return 0

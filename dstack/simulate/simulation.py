@@ -1,0 +1,88 @@
+"""Set up each policy exactly as the server would (`dstack.planning.setup_policy`) and run
+it through the same arrivals; compute the ideal bound once for all of them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from dstack.config import ConfigError, DeployConfig, PolicyName
+from dstack.planning import setup_policy
+from dstack.simulate.engine import RunResult, SimModel, run
+from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
+from dstack.simulate.latency import latency_table_s
+from dstack.simulate.report import PolicyReport, failed, summarise
+from dstack.simulate.workload import Arrivals
+from dstack.slices import CpuSlices, MpsSlices, SliceBackend
+from dstack.types import Profile
+
+
+@dataclass(frozen=True, slots=True)
+class Simulation:
+    reports: list[PolicyReport]
+    results: dict[str, RunResult]  # policies that ran
+    ideal_rps: float  # the bound for these arrivals (dstack.simulate.ideal)
+    fluid_rps: float  # the bound for the nominal rates
+    costs_s: dict[str, float]  # device-seconds per request at best, per model
+    wall_s: dict[str, tuple[float, float]]  # policy -> (setup incl. solve, event loop)
+
+
+def backend_for(profiles: Mapping[str, Profile]) -> SliceBackend:
+    """The slice backend of the simulated device: the profiles' device (all must agree).
+    CPU profiles: one core per unit; anything else: MPS percentages over its SMs."""
+    devices = {(p.device.kind, p.device.name, p.device.units) for p in profiles.values()}
+    if len(devices) != 1:
+        raise ConfigError(f"the profiles come from different devices: {sorted(devices)}")
+    kind, _, units = devices.pop()
+    if kind == "cpu":
+        return CpuSlices(cores=tuple(range(units)))
+    return MpsSlices(units)
+
+
+def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arrivals,
+             policies: Sequence[PolicyName], duration_s: float, *,
+             timeline_s: float = 0.0) -> Simulation:
+    """Run every policy in `policies` on `arrivals` over [0, duration_s) (then drained).
+
+    `profiles` are keyed by served model name (`dstack.planning.served_profiles`). A policy
+    that cannot be set up (no feasible plan, say) gets a report row with the reason."""
+    profiles = dict(profiles)
+    costs = {m.name: cost_per_request_s(profiles[m.name], m.slo_ms, m.max_batch_size)
+             for m in cfg.models}
+    arrived = {m.name: arrivals.count(m.name) for m in cfg.models}
+    max_slo_s = max(m.slo_ms for m in cfg.models) / 1000
+    ideal = ideal_bound_rps(costs, arrived, duration_s, max_slo_s)
+    fluid = fluid_bound(costs, {m.name: m.rate_rps for m in cfg.models})
+    order = {n: i for i, n in enumerate(arrivals.names)}
+    remap = [order[m.name] for m in cfg.models]
+    # Arrivals may name the models in another order than the config: re-index once.
+    pos = {arr_i: cfg_i for cfg_i, arr_i in enumerate(remap)}
+    times = arrivals.times.tolist()
+    idx = [pos[i] for i in arrivals.models.tolist()] if remap != list(range(len(remap))) \
+        else arrivals.models.tolist()
+    backend = backend_for(profiles)
+    reports: list[PolicyReport] = []
+    results: dict[str, RunResult] = {}
+    wall: dict[str, tuple[float, float]] = {}
+    for name in policies:
+        t0 = time.perf_counter()
+        pcfg = cfg.model_copy(update={"policy": PolicyName(name)})
+        try:
+            setup = setup_policy(pcfg, backend, origin=0.0, profiles=profiles)
+        except ConfigError as e:
+            reports.append(failed(str(name), str(e), ideal))
+            continue
+        slices = setup.policy.slices()
+        models = [
+            SimModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue,
+                     slices[m.name].percent,
+                     latency_table_s(profiles[m.name], slices[m.name].percent, m.max_batch_size))
+            for m in cfg.models
+        ]
+        t1 = time.perf_counter()
+        r = run(setup.policy, models, times, idx, duration_s, timeline_s=timeline_s)
+        wall[str(name)] = (t1 - t0, time.perf_counter() - t1)
+        results[str(name)] = r
+        reports.append(summarise(str(name), r, ideal))
+    return Simulation(reports, results, ideal, fluid, costs, wall)
