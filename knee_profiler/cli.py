@@ -163,6 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ProfileError, ProfilerError, SliceError, MpsError, TableError, ValueError) as e:
         print(f"knee-profiler: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `knee-profiler show ... | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("knee-profiler: interrupted; measured cells are saved, re-run to resume",
               file=sys.stderr)
