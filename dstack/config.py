@@ -115,6 +115,9 @@ class DeployConfig(_Strict):
     cores: tuple[int, ...] | None = None
     """CPU cores the workers may use (default: all this process may use)."""
     adapt: AdaptConfig = AdaptConfig()
+    rate_headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
+    """Policy dstack plans for rate x (1 + rate_headroom): a plan sized for exactly the mean
+    rate falls behind on every Poisson burst."""
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

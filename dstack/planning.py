@@ -59,8 +59,9 @@ def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
                rates: dict[str, float] | None = None) -> Plan:
     from optimizer import SolveOptions, solve
 
+    grow = 1.0 + cfg.rate_headroom
     slos = [
-        ModelSLO(m.name, m.slo_ms, (rates or {}).get(m.name, m.rate_rps), m.priority)
+        ModelSLO(m.name, m.slo_ms, grow * (rates or {}).get(m.name, m.rate_rps), m.priority)
         for m in cfg.models
     ]
     opts = SolveOptions(max_batch={m.name: m.max_batch_size for m in cfg.models})

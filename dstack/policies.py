@@ -23,7 +23,7 @@ from typing import Protocol
 from dstack.config import PolicyName
 from dstack.latency import LinearLatency
 from dstack.slices import SliceBackend, SliceSpec
-from dstack.types import Plan, Schedule, Slot
+from dstack.types import Plan, Schedule
 
 # --------------------------------------------------------------------------- views & decisions
 
@@ -252,7 +252,20 @@ class _Busy:
     model: str
     until: float
     percent: float
-    units: tuple[int, ...]
+    units: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _SlotT:
+    """A slot in seconds, with its units as a set: precomputed once per schedule, since
+    `decide` runs on every event (the dispatcher's and the simulator's hot path)."""
+
+    index: int
+    model: str
+    start_s: float
+    dur_s: float
+    percent: float
+    units: frozenset[int]
 
 
 @dataclass
@@ -280,9 +293,21 @@ class DStackPolicy:
     _occ: dict[tuple[int, int], str] = field(default_factory=dict)
     _busy: dict[str, _Busy] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._slots = tuple(
+            _SlotT(i, s.model, s.start_ms / 1000, s.duration_ms / 1000, s.percent,
+                   frozenset(s.units))
+            for i, s in enumerate(self.the_schedule.slots)
+        )
+        self._own = {}
+        for st in self._slots:
+            self._own.setdefault(st.model, st)
+        self._batch = {m.model: m.batch for m in self.the_plan.models}
+        self._cycle_s = self.the_schedule.cycle_ms / 1000
+
     @property
     def cycle_s(self) -> float:
-        return self.the_schedule.cycle_ms / 1000
+        return self._cycle_s
 
     def slices(self) -> dict[str, SliceSpec]:
         out: dict[str, SliceSpec] = {}
@@ -296,14 +321,6 @@ class DStackPolicy:
     def schedule(self) -> Schedule | None:
         return self.the_schedule
 
-    def _planned_batch(self, model: str) -> int:
-        return self.the_plan.for_model(model).batch
-
-    def _occurrence(self, i: int, k: int) -> tuple[float, float]:
-        s = self.the_schedule.slots[i]
-        start = self.origin + k * self.cycle_s + s.start_ms / 1000
-        return start, start + s.duration_ms / 1000
-
     def _estimate(self, model: str, n: int) -> float:
         lat = self.latency.get(model)
         if lat is not None:
@@ -311,27 +328,27 @@ class DStackPolicy:
         return self.the_plan.for_model(model).latency_ms / 1000
 
     def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
-        k_now = math.floor((now - self.origin) / self.cycle_s)
+        k_now = math.floor((now - self.origin) / self._cycle_s)
         for m in list(self._busy):
             if not queues[m].running:
                 del self._busy[m]
         launches: list[Launch] = []
-        wake: float | None = None
         # 1. Slot occurrences that have begun (this cycle and the last, for slots that
         #    straddle a cycle boundary).
         for k in (k_now - 1, k_now):
-            for i, s in enumerate(self.the_schedule.slots):
-                start, end = self._occurrence(i, k)
-                if not (start <= now + 1e-9 < end) or (i, k) in self._occ:
+            base = self.origin + k * self._cycle_s
+            for s in self._slots:
+                start = base + s.start_s
+                if not (start <= now + 1e-9 < start + s.dur_s) or (s.index, k) in self._occ:
                     continue
                 q = queues[s.model]
                 if q.items == 0:
-                    self._occ[(i, k)] = "forfeited"
+                    self._occ[(s.index, k)] = "forfeited"
                     continue
                 if q.running:
                     continue  # its own reuse batch is finishing; retry when it ends
-                n = min(q.items, self._planned_batch(s.model))
-                self._occ[(i, k)] = "used"
+                n = min(q.items, self._batch[s.model])
+                self._occ[(s.index, k)] = "used"
                 launches.append(Launch(s.model, n))
                 self._busy[s.model] = _Busy(s.model, now + self._estimate(s.model, n),
                                             s.percent, s.units)
@@ -340,54 +357,53 @@ class DStackPolicy:
             for m, q in queues.items():
                 if q.items == 0 or q.running or m in self._busy:
                     continue
-                n = min(q.items, self._planned_batch(m))
+                n = min(q.items, self._batch[m])
                 end = now + self._estimate(m, n)
                 if self._fits(m, now, end, k_now):
-                    mine = self._own_slot(m)
+                    mine = self._own[m]
                     launches.append(Launch(m, n, reuse=True))
                     self._busy[m] = _Busy(m, end, mine.percent, mine.units)
-        # 3. Wake at the next slot start.
-        nxt = self._next_start(now, k_now)
-        wake = _min_wake(wake, nxt)
-        # Forget occurrences older than the last cycle.
-        self._occ = {key: v for key, v in self._occ.items() if key[1] >= k_now - 1}
-        return Decision(tuple(launches), wake)
-
-    def _own_slot(self, model: str) -> Slot:
-        return next(s for s in self.the_schedule.slots if s.model == model)
+        # 3. Wake at the next slot start; forget occurrences older than the last cycle.
+        if len(self._occ) > 4 * len(self._slots):
+            self._occ = {key: v for key, v in self._occ.items() if key[1] >= k_now - 1}
+        return Decision(tuple(launches), self._next_start(now, k_now))
 
     def _next_start(self, now: float, k_now: int) -> float | None:
         best: float | None = None
         for k in (k_now, k_now + 1):
-            for i in range(len(self.the_schedule.slots)):
-                start, _ = self._occurrence(i, k)
-                if start > now + 1e-9:
-                    best = _min_wake(best, start)
+            base = self.origin + k * self._cycle_s
+            for s in self._slots:
+                start = base + s.start_s
+                if start > now + 1e-9 and (best is None or start < best):
+                    best = start
         return best
 
     def _fits(self, model: str, t0: float, t1: float, k_now: int) -> bool:
         """May `model` run on its own slice during [t0, t1] outside its slot?"""
-        mine = self._own_slot(model)
+        mine = self._own[model]
         load = mine.percent
-        units = set(mine.units)
-        for k in (k_now - 1, k_now, k_now + 1, k_now + 2):
-            for i, s in enumerate(self.the_schedule.slots):
-                start, end = self._occurrence(i, k)
-                if end <= t0 + 1e-9 or start >= t1 - 1e-9:
+        units = mine.units
+        k_last = k_now + 1 + math.ceil((t1 - t0) / self._cycle_s)
+        for k in range(k_now - 1, k_last + 1):
+            base = self.origin + k * self._cycle_s
+            for s in self._slots:
+                start = base + s.start_s
+                if start + s.dur_s <= t0 + 1e-9 or start >= t1 - 1e-9:
                     continue
                 if s.model == model:
                     return False  # would run into its own slot: wait for it instead
-                if self._occ.get((i, k)) == "forfeited" and start <= t0 + 1e-9:
+                state = self._occ.get((s.index, k))
+                if state == "forfeited" and start <= t0 + 1e-9:
                     continue
-                if self._occ.get((i, k)) == "used" and s.model not in self._busy:
+                if state == "used" and s.model not in self._busy:
                     continue  # its batch already ended: the rest of the slot is idle
                 load += s.percent
-                if units & set(s.units):
+                if units & s.units:
                     return False
         for b in self._busy.values():
             if b.model != model and b.until > t0:
                 load += b.percent
-                if units & set(b.units):
+                if units & b.units:
                     return False
         return load <= 100.0 + 1e-9
 

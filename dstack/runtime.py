@@ -369,7 +369,7 @@ class Runtime:
         return nxt
 
     async def _dispatch_loop(self) -> None:
-        while True:
+        while not self._closing:
             self._wake.clear()
             now = time.monotonic()
             doom = self._refuse_doomed(now)
@@ -389,8 +389,11 @@ class Runtime:
                 wake = doom if wake is None else min(wake, doom)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
             if timeout is None or timeout > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                # that races with the event, and then stop() would wait forever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
             else:
                 await asyncio.sleep(0)
 
@@ -409,6 +412,18 @@ class Runtime:
             st.items -= r.n
             batch.append(r)
             taken += r.n
+        # Refuse, rather than serve late, the requests this batch would answer after their
+        # deadline. FIFO order is deadline order, so only heads can be late.
+        est = self.latency.get(model)
+        while batch and est is not None and batch[0].deadline < now + est.estimate_s(taken):
+            r = batch.pop(0)
+            taken -= r.n
+            st.counters.refused += 1
+            st.counters.failure += 1
+            _fail(r, DeadlineRefused(
+                f"model {model}: request waited {1000 * (now - r.arrival):.1f} ms; the next batch "
+                f"would answer it after its SLO of {st.cfg.slo_ms:g} ms"
+            ))
         if not batch:
             return
         st.running = True

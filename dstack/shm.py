@@ -77,14 +77,6 @@ class Arena:
             self.shm = shared_memory.SharedMemory(create=True, size=layout.nbytes)
         else:
             self.shm = shared_memory.SharedMemory(name=name)
-            # Python < 3.13 registers an attached block with the resource tracker, which
-            # would unlink it when this (non-owner) process exits: only the owner may.
-            try:
-                from multiprocessing import resource_tracker
-
-                resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - best effort; 3.13+ has track=False
-                pass
         self.name = self.shm.name
 
     def _view(self, r: Region, n: int) -> np.ndarray:

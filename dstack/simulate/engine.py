@@ -9,7 +9,8 @@ replaced by the latency model (`dstack.simulate.latency`):
 - **Dispatch** (as `Runtime._dispatch_loop`): first refuse every queued request that can no
   longer meet its deadline (deadline - estimate(1) < now), then `policy.decide(now, views)`,
   then apply its launches: a launch for a model whose worker is busy is ignored; otherwise
-  it takes whole requests, FIFO, up to min(max_items, max_batch_size). The next wake-up is
+  it takes whole requests, FIFO, up to min(max_items, max_batch_size), and refuses those at
+  the head that the batch would answer after their deadline (by the estimate). The next wake-up is
   the decision's `wake_at` or the next doom time, whichever is first; a wake-up that is not
   in the future is taken 1 ns later (the real loop's clock always moves on).
 - **When the policy is asked.** After every batch completion, at every wake-up, and on
@@ -190,6 +191,18 @@ def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
             if running[j] or not q:
                 continue
             k = max(1, min(launch.max_items, cap[j], len(q)))
+            # Refuse, rather than serve late, the heads the batch would finish after
+            # their deadline (Runtime._launch).
+            e = est[j]
+            if e is not None:
+                while k and q[0] + slo[j] < now + e.estimate_s(k):
+                    q.popleft()
+                    queued -= 1
+                    k -= 1
+                    counts[j].refused_deadline += 1
+                if not k:
+                    dirty[j] = True
+                    continue
             reqs = [q.popleft() for _ in range(k)]
             queued -= k
             advance(now)
