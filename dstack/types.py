@@ -278,6 +278,9 @@ class Plan:
     status: SolverStatus
     solve_time_s: float = 0.0
     shortfalls: tuple[Shortfall, ...] = ()
+    #: False when the solver stopped at its time limit, or the instance was too large for
+    #: the exact MILP, so the plan is the best found rather than a proven optimum.
+    proven_optimal: bool = True
 
     def for_model(self, name: str) -> ModelPlan:
         for m in self.models:
@@ -297,6 +300,7 @@ class Plan:
             status=SolverStatus(d["status"]),
             solve_time_s=float(d.get("solve_time_s", 0.0)),
             shortfalls=tuple(Shortfall(**s) for s in d.get("shortfalls", ())),
+            proven_optimal=bool(d.get("proven_optimal", True)),
         )
 
 

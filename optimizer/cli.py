@@ -28,7 +28,8 @@ def format_plan(plan: Plan) -> str:
         )
     lines.append(
         f"cycle {plan.cycle_ms:.2f} ms; weighted goodput {plan.objective:.1f} rps; "
-        f"status {plan.status.value}; solved in {plan.solve_time_s:.2f} s"
+        f"status {plan.status.value}; solved in {plan.solve_time_s:.2f} s "
+        f"({'proven optimal' if plan.proven_optimal else 'best found, not proven optimal'})"
     )
     lines.extend(f"  short: {s.reason}" for s in plan.shortfalls)
     return "\n".join(lines)

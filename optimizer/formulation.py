@@ -34,8 +34,9 @@ class SolveOptions:
     between profiled ones takes the latency of the next profiled one below it).
     `max_batch` caps the batch per model (e.g. the config's `max_batch_size`).
     `max_shelves` bounds the number of shelves (default: one per model, which is never a
-    restriction). `time_limit_s` bounds the whole CBC time; a plan found by then is
-    returned even if CBC has not proved it optimal (a warning is logged).
+    restriction). `time_limit_s` bounds the whole solve (None: `solve.default_time_limit`,
+    scaled to the instance); the best plan found by then is returned, with
+    `Plan.proven_optimal` False when it is not proven optimal.
     `goodput_rel_tol`: the second stage (least device share) may give up at most this
     fraction of the optimal weighted goodput.
     """
@@ -44,7 +45,7 @@ class SolveOptions:
     percentages: tuple[float, ...] | None = None
     max_batch: dict[str, int] = field(default_factory=dict)
     max_shelves: int | None = None
-    time_limit_s: float = 30.0
+    time_limit_s: float | None = None
     goodput_rel_tol: float = 1e-7
 
 

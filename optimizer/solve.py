@@ -16,6 +16,7 @@ from dstack.types import (
     Shortfall,
     SolverStatus,
 )
+from optimizer import heuristic
 from optimizer.formulation import (
     Choice,
     ModelInput,
@@ -28,6 +29,10 @@ from optimizer.formulation import (
 from optimizer.milp import SolverTimeout, solve_shelves
 
 log = logging.getLogger(__name__)
+
+#: Instances whose shelf MILP has more binaries than this are solved by the heuristic
+#: alone (CBC would not prove them within seconds).
+MILP_MAX_BINARIES = 400
 
 
 def _rps(x: float) -> str:
@@ -47,7 +52,6 @@ def solve(
     placed at all (named, with the reason); the plan for the other models is returned."""
     started = time.perf_counter()
     options = options or SolveOptions()
-    deadline = started + options.time_limit_s
     names = [s.model for s in slos]
     if len(set(names)) != len(names):
         raise ValueError(f"a model appears twice in the SLOs: {names}")
@@ -69,45 +73,44 @@ def solve(
     shelves: tuple[int | None, ...] = ()
     proven = True
     timed_out = False
+    limit_s = options.time_limit_s
     if alive:
-        try:
-            shelves_cap = options.max_shelves or len(alive)
-            t_lo = max(min(c.latency_ms for c in m.choices) for m in alive)
-            strict = [prune(m, t_lo) for m in alive]
-            found = None
-            if all(m.choices for m in strict):
-                found = solve_shelves(
-                    strict,
-                    max_shelves=shelves_cap,
-                    deadline=deadline,
-                    goodput_rel_tol=options.goodput_rel_tol,
-                    require_all=True,
-                )
-            if found is None:
-                # Not all of them fit in one cycle: place as many (by weight) as possible.
-                t_lo = min(min(c.latency_ms for c in m.choices) for m in alive)
-                alive = [prune(m, t_lo) for m in alive]
-                found = solve_shelves(
-                    alive,
-                    max_shelves=shelves_cap,
-                    deadline=deadline,
-                    goodput_rel_tol=options.goodput_rel_tol,
-                    require_all=False,
-                )
-            else:
-                alive = strict
-            if found is not None:
-                picks, shelves, proven = found.picks, found.shelves, found.proven_optimal
-            else:
-                picks, shelves = (None,) * len(alive), (None,) * len(alive)
-        except SolverTimeout:
-            timed_out = True
+        # Loose pruning (any cycle at which at least one model fits) keeps every choice
+        # that any plan, placing all models or not, can use.
+        loose_lo = min(min(c.latency_ms for c in m.choices) for m in alive)
+        loose = [prune(m, loose_lo) for m in alive]
+        small = milp_size(loose, options.max_shelves) <= MILP_MAX_BINARIES
+        if limit_s is None:
+            limit_s = default_time_limit(len(alive), small)
+        deadline = started + limit_s
+        # The constructive plan first: the answer when the MILP is too large, and the
+        # fallback when CBC stops at the time limit without a better plan.
+        found = heuristic.search(loose, deadline)
+        proven = False
+        if small:
+            try:
+                exact = _milp(alive, options, deadline, limit_s)
+            except SolverTimeout:
+                exact, timed_out = None, True
+            if exact is not None:
+                milp_found, milp_proven = exact
+                if milp_proven or heuristic.found_better(milp_found, found):
+                    found, proven = milp_found, milp_proven
+            elif not timed_out:
+                # CBC proved that no model can be placed (heuristic agrees: it found none).
+                proven = found is None
+        if found is not None:
+            picks, shelves = found.picks, found.shelves
+            timed_out = False
+        else:
             picks, shelves = (None,) * len(alive), (None,) * len(alive)
-    if not proven:
-        log.warning(
-            "CBC stopped at the %.1f s time limit: the plan is the best found, not proven optimal",
-            options.time_limit_s,
-        )
+        alive = loose
+        if not proven:
+            log.info(
+                "the plan is the best found within %.2f s, not proven optimal (%s)",
+                limit_s,
+                "CBC time limit" if small else "too large for the MILP: heuristic plan",
+            )
 
     ev = evaluate(alive, picks, shelves) if any(p is not None for p in picks) else None
     model_plans: list[ModelPlan] = []
@@ -118,7 +121,7 @@ def solve(
             shortfalls.append(
                 Shortfall(
                     m.name,
-                    f"{m.name}: CBC found no plan within the {options.time_limit_s:g} s time "
+                    f"{m.name}: no plan found within the {limit_s:g} s time "
                     "limit (not proof that none exists); raise time_limit_s or lower "
                     "max_shelves",
                 )
@@ -155,7 +158,58 @@ def solve(
         status=status,
         solve_time_s=time.perf_counter() - started,
         shortfalls=tuple(shortfalls),
+        proven_optimal=proven,
     )
+
+
+def default_time_limit(n_models: int, small: bool) -> float:
+    """Seconds for a solve when `SolveOptions.time_limit_s` is None: CBC gets 10 s on
+    instances small enough for the MILP (they take well under 1 s when the MILP is used
+    at all); the heuristic's local search stops earlier by itself on larger ones."""
+    return 10.0 if small else 1.0 + 0.1 * n_models
+
+
+def _milp(
+    alive: Sequence[ModelInput], options: SolveOptions, deadline: float, limit_s: float
+) -> tuple[heuristic.Found, bool] | None:
+    """The exact MILP: first with every model placed (strict pruning: T is then at least
+    every model's fastest latency), else placing as many (by weight) as possible. None
+    when CBC proves that nothing can be placed; SolverTimeout when it finds nothing in time."""
+    shelves_cap = options.max_shelves or len(alive)
+    t_lo = max(min(c.latency_ms for c in m.choices) for m in alive)
+    strict = [prune(m, t_lo) for m in alive]
+    got = None
+    if all(m.choices for m in strict):
+        got = solve_shelves(
+            strict,
+            max_shelves=shelves_cap,
+            deadline=deadline,
+            goodput_rel_tol=options.goodput_rel_tol,
+            require_all=True,
+        )
+    if got is None:
+        t_lo = min(min(c.latency_ms for c in m.choices) for m in alive)
+        got = solve_shelves(
+            [prune(m, t_lo) for m in alive],
+            max_shelves=shelves_cap,
+            deadline=deadline,
+            goodput_rel_tol=options.goodput_rel_tol,
+            require_all=False,
+        )
+    if got is None:
+        return None
+    found = heuristic.make_found(alive, got.picks, got.shelves)
+    if found is None:
+        return None
+    if not got.proven_optimal:
+        log.warning("CBC stopped at the %.1f s time limit before proving its plan optimal", limit_s)
+    return found, got.proven_optimal
+
+
+def milp_size(models: Sequence[ModelInput], max_shelves: int | None) -> int:
+    """The number of binaries x[m, c, k] of the shelf MILP (model m may use shelves 0..m)."""
+    cap = max_shelves or len(models)
+    return sum(len(m.choices) * min(cap, i + 1) for i, m in enumerate(models))
 
 
 def _model_plans(

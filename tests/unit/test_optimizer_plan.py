@@ -178,3 +178,43 @@ def test_cli_plan_draws_gantt(tmp_path, v100) -> None:
     png = tmp_path / "g.png"
     assert main(["plan", "--config", str(cfg), "--profiles", str(profdir), "--plot", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _random_models(n: int, seed: int) -> tuple[dict[str, Profile], list[ModelSLO]]:
+    import random
+
+    rng = random.Random(seed)
+    batches, percents = (1, 2, 4, 8, 16, 32), tuple(float(p) for p in range(10, 101, 10))
+    profiles, slos = {}, []
+    for i in range(n):
+        k0, t, knee = rng.uniform(0.3, 3.0), rng.uniform(0.05, 1.0), rng.uniform(20, 80)
+        cells = tuple(
+            Cell(b, p, lat, lat)
+            for b in batches
+            for p in percents
+            for lat in [round((k0 + t * b) * max(1.0, knee / p) ** 0.8, 3)]
+        )
+        dev = DeviceInfo("reference", "t", 80, "SMs")
+        profiles[f"m{i}"] = Profile(f"m{i}", dev, "table", batches, percents, cells)
+        slos.append(ModelSLO(f"m{i}", round(rng.uniform(4, 12) * (k0 + t) * n / 4, 1), 100.0))
+    return profiles, slos
+
+
+def test_large_instance_uses_the_heuristic_and_says_not_proven() -> None:
+    """Too large for the MILP: a valid plan quickly, marked not proven, shown so in the CLI."""
+    from optimizer.cli import format_plan
+
+    profiles, slos = _random_models(12, 3)
+    plan = solve(profiles, slos)
+    assert plan.models and plan.proven_optimal is False
+    _assert_realisable(plan)
+    assert "not proven optimal" in format_plan(plan)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).proven_optimal is False
+
+
+def test_small_instance_is_proven_and_old_plan_files_still_load(v100) -> None:
+    plan = solve(v100, [ModelSLO("alexnet", 40, 300), ModelSLO("resnet50", 60, 200)])
+    assert plan.proven_optimal is True
+    d = plan.to_dict()
+    del d["proven_optimal"]  # written before the field existed
+    assert Plan.from_dict(d).proven_optimal is True
