@@ -26,5 +26,38 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Load test a running server (make serve in another terminal): Locust headless for
+# DURATION, RATE requests/s in total at the peak of SHAPE (steady|steps|burst), SLOs from
+# SLO_MS (one number or model=ms,...) else from CONFIG. Reports under LOADTEST_OUT.
+HOST ?= http://127.0.0.1:8000
+DURATION ?= 30s
+USERS ?= 4
+RATE ?= 8
+SHAPE ?= steady
+SLO_MS ?=
+LOADTEST_OUT ?= out/loadtest
+
+loadtest: $(STAMP)
+	mkdir -p $(LOADTEST_OUT)
+	rm -f $(LOADTEST_OUT)/outcomes.json
+	$(PY) -m loadtests.summary scrape --host $(HOST) --out $(LOADTEST_OUT)/metrics_before.prom
+	LOCUST_HOST=$(HOST) $(VENV)/bin/locust -f loadtests/locustfile.py --headless \
+		--host $(HOST) -u $(USERS) -r $(USERS) -t $(DURATION) --stop-timeout 10 \
+		--rate $(RATE) --shape $(SHAPE) --dstack-config $(CONFIG) \
+		$(if $(SLO_MS),--slo-ms $(SLO_MS)) --outcomes-json $(LOADTEST_OUT)/outcomes.json \
+		--csv $(LOADTEST_OUT)/locust --html $(LOADTEST_OUT)/report.html \
+		--only-summary --exit-code-on-error 0 --loglevel WARNING
+	$(PY) -m loadtests.summary scrape --host $(HOST) --out $(LOADTEST_OUT)/metrics_after.prom
+	$(PY) -m loadtests.summary report --csv-prefix $(LOADTEST_OUT)/locust \
+		--outcomes $(LOADTEST_OUT)/outcomes.json --duration $(DURATION) \
+		--before $(LOADTEST_OUT)/metrics_before.prom --after $(LOADTEST_OUT)/metrics_after.prom \
+		--out $(LOADTEST_OUT)/summary.json
+
+# Every policy side by side on one machine, against the in-process ceiling (< 15 min).
+BENCH_ARGS ?=
+
+bench: $(STAMP)
+	$(PY) -m loadtests.bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,6 +23,7 @@ from dstack.backend import InferenceBackend, ModelStats
 from dstack.errors import DStackError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
 from dstack.types import ModelSpec, TensorSpec
 from server import codec
+from server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("dstack.server")
 
@@ -130,6 +131,8 @@ def create_app(
     app = FastAPI(title=title, version=_version(), lifespan=lifespan)
     app.add_middleware(_CatchAll)
     server_meta = {"name": SERVER_NAME, "version": _version(), "extensions": EXTENSIONS}
+    metrics = Metrics(backend, MODEL_VERSION)
+    app.state.metrics = metrics
 
     @app.exception_handler(DStackError)
     async def _dstack_error(_: Request, e: DStackError) -> JSONResponse:
@@ -203,7 +206,17 @@ def create_app(
 
     async def infer(request: Request) -> Response:
         model = request.path_params["model"]
-        spec = spec_of(model, request.path_params.get("version"))
+        spec = spec_of(model, request.path_params.get("version"))  # 404: no label for it
+        try:
+            return await _infer(request, model, spec)
+        except DStackError as e:
+            metrics.failures.add(model, e.reason)
+            raise
+        except Exception:
+            metrics.failures.add(model, "backend")
+            raise
+
+    async def _infer(request: Request, model: str, spec: ModelSpec) -> Response:
         require_ready(model)
         body = await read_body(request, max_body_bytes)
         req = codec.decode_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
@@ -222,6 +235,10 @@ def create_app(
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
         app.add_api_route(prefix + "/stats", stats, methods=["GET"])
         app.add_api_route(prefix + "/infer", infer, methods=["POST"])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     # ------------------------------------------------------------------ dstack views
 

@@ -1,0 +1,177 @@
+"""Prometheus `/metrics`, named after Triton's so that existing dashboards read them.
+
+Values the backend already counts (`InferenceBackend.stats`) are read at scrape time by
+a custom collector, never counted twice. Only what the backend cannot know is counted
+here: failures by reason, which the HTTP layer sees (a 400 never reaches the backend).
+
+Each app owns its own `CollectorRegistry`, so tests can build several apps.
+
+Triton's counters carry no `_total` suffix (`nv_inference_request_success`, not
+`nv_inference_request_success_total`); prometheus-client adds one to counter families,
+so the exposition is written here for those names (`render`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dstack.backend import InferenceBackend
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FAILURE_REASONS = ("rejected", "slo_refused", "backend", "unavailable")
+
+
+class FailureCounts:
+    """Failed infer requests per (model, reason), counted by the HTTP layer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def add(self, model: str, reason: str) -> None:
+        if reason not in FAILURE_REASONS:
+            reason = "backend"  # an unexpected error is ours: "we are broken"
+        with self._lock:
+            key = (model, reason)
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def get(self, model: str, reason: str) -> int:
+        with self._lock:
+            return self._counts.get((model, reason), 0)
+
+
+def _counter(name: str, doc: str) -> Metric:
+    # A bare Metric, so that samples keep Triton's unsuffixed name (see module docstring).
+    return Metric(name, doc, "counter")
+
+
+class BackendCollector(Collector):
+    """Reads the backend's counters and gauges at scrape time."""
+
+    def __init__(self, backend: InferenceBackend, failures: FailureCounts, version: str) -> None:
+        self.backend = backend
+        self.failures = failures
+        self.version = version
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.backend
+        v = self.version
+        success = _counter(
+            "nv_inference_request_success", "Number of successful inference requests"
+        )
+        failure = _counter(
+            "nv_inference_request_failure", "Number of failed inference requests, by reason"
+        )
+        count = _counter(
+            "nv_inference_count", "Number of inferences performed (items, not requests)"
+        )
+        execs = _counter("nv_inference_exec_count", "Number of model executions (batches)")
+        queue = _counter(
+            "nv_inference_queue_duration_us", "Cumulative time requests spent queued (us)"
+        )
+        compute = _counter(
+            "nv_inference_compute_infer_duration_us", "Cumulative time batches ran (us)"
+        )
+        slo_met = _counter(
+            "dstack_request_slo_met", "Successful requests answered within their SLO (server clock)"
+        )
+        refused = _counter(
+            "dstack_request_refused", "Requests refused by the runtime (queue full or deadline)"
+        )
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Requests queued or running now",
+            labels=["model", "version"],
+        )
+        attain = GaugeMetricFamily(
+            "dstack_slo_attainment",
+            "SLO met / successful requests since start (NaN before any)",
+            labels=["model"],
+        )
+        slice_pct = GaugeMetricFamily(
+            "dstack_slice_percent",
+            "Share of the device the model's worker may use (CPU: "
+            "cores as a percentage of the served cores)",
+            labels=["model"],
+        )
+        batch = GaugeMetricFamily(
+            "dstack_batch_size", "Batch size the policy aims for now", labels=["model"]
+        )
+        cap_of = getattr(b, "current_batch_cap", None)
+        slice_of = getattr(b, "current_slice", None)
+        for model in b.model_names():
+            s = b.stats(model)
+            mv: dict[str, str] = {"model": model, "version": v}
+            success.add_sample("nv_inference_request_success", mv, s.request_success)
+            for reason in FAILURE_REASONS:
+                failure.add_sample(
+                    "nv_inference_request_failure",
+                    {**mv, "reason": reason},
+                    self.failures.get(model, reason),
+                )
+            count.add_sample("nv_inference_count", mv, s.inference_count)
+            execs.add_sample("nv_inference_exec_count", mv, s.execution_count)
+            queue.add_sample("nv_inference_queue_duration_us", mv, s.queue_ns / 1000)
+            compute.add_sample("nv_inference_compute_infer_duration_us", mv, s.compute_ns / 1000)
+            slo_met.add_sample("dstack_request_slo_met", mv, s.slo_met)
+            refused.add_sample("dstack_request_refused", mv, s.refused)
+            pending.add_metric([model, v], s.pending)
+            attain.add_metric(
+                [model], s.slo_met / s.request_success if s.request_success else math.nan
+            )
+            if slice_of is not None:
+                sl = slice_of(model)
+                if sl is not None:
+                    slice_pct.add_metric([model], sl.percent)
+            if cap_of is not None:
+                batch.add_metric([model], cap_of(model))
+        yield from (
+            success,
+            failure,
+            count,
+            execs,
+            queue,
+            compute,
+            slo_met,
+            refused,
+            pending,
+            attain,
+            slice_pct,
+            batch,
+        )
+
+
+_UNSUFFIXED = (
+    "nv_inference_request_success",
+    "nv_inference_request_failure",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "dstack_request_slo_met",
+    "dstack_request_refused",
+)
+
+
+class Metrics:
+    """The per-app registry plus the failure counts the infer route feeds."""
+
+    def __init__(self, backend: InferenceBackend, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.failures = FailureCounts()
+        self.registry.register(BackendCollector(backend, self.failures, version))
+
+    def render(self) -> bytes:
+        text = generate_latest(self.registry).decode()
+        # prometheus-client names a counter family `<name>_total` in HELP/TYPE; Triton's
+        # counters (and the samples above) have no suffix, so the header must not either.
+        for name in _UNSUFFIXED:
+            text = text.replace(f"# HELP {name}_total ", f"# HELP {name} ")
+            text = text.replace(f"# TYPE {name}_total ", f"# TYPE {name} ")
+        return text.encode()
