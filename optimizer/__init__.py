@@ -34,6 +34,9 @@ a finite set. For a fixed assignment (choice and shelf per model) the best T is 
 `cycle_candidates` (the makespan sum_k D_k, a cap SLO_m - L_m, or a saturation point
 1000 * b_m / R_m); after CBC picks the assignment the plan's T is recomputed from them
 exactly, and the brute force in the tests enumerates assignments and those candidates.
+Instances whose MILP is too large (over `solve.MILP_MAX_BINARIES` binaries) are answered
+by the constructive heuristic of `optimizer/heuristic.py`, which also backs CBC up when it
+stops at the time limit; `Plan.proven_optimal` says which it was.
 
 Shortfalls. A model with L_m(b_min, p_max) >= SLO_m, or whose fastest choice L satisfies
 2L > SLO_m (T >= L always), cannot be placed: status INFEASIBLE, named with its numbers.
