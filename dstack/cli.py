@@ -28,9 +28,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from optimizer.cli import plan_command
+    """Exit 0 when every model is placed (optimal or partial), 1 when some cannot be."""
+    import json
+    from pathlib import Path
 
-    return plan_command(args)
+    from dstack.config import ConfigError, load_config
+    from dstack.planning import plan_for, served_profiles
+    from dstack.schedule import build_schedule
+    from dstack.slices import CpuSlices
+    from dstack.types import SolverStatus
+    from optimizer.cli import draw_gantt, format_plan
+
+    cfg = load_config(args.config)
+    if args.profiles:
+        cfg = cfg.model_copy(update={"profiles": Path(args.profiles)})
+    if cfg.profiles is None:
+        raise ConfigError(f"{args.config}: no `profiles:` in the config and no --profiles given")
+    profiles = served_profiles(cfg, check_device=False)
+    plan = plan_for(cfg, profiles)
+    print(format_plan(plan))
+    if cfg.rate_headroom:
+        print(f"(rates include rate_headroom {cfg.rate_headroom:g}: planned for "
+              f"{1 + cfg.rate_headroom:g} x rate_rps)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    if args.plot and plan.models:
+        dev = next(iter(profiles.values())).device
+        backend = CpuSlices(tuple(range(dev.units))) if dev.kind == "cpu" else None
+        draw_gantt(plan, args.plot, build_schedule(plan, backend))
+        print(f"schedule drawn in {args.plot}")
+    return 1 if plan.status is SolverStatus.INFEASIBLE else 0
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:

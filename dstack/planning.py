@@ -55,8 +55,10 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
     return out
 
 
-def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
-               rates: dict[str, float] | None = None) -> Plan:
+def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
+             rates: dict[str, float] | None = None) -> Plan:
+    """The optimizer's plan for the config's models at `rates` (default: the configured
+    `rate_rps`), each grown by `rate_headroom`. May be INFEASIBLE (see its shortfalls)."""
     from optimizer import SolveOptions, solve
 
     grow = 1.0 + cfg.rate_headroom
@@ -65,7 +67,13 @@ def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
         for m in cfg.models
     ]
     opts = SolveOptions(max_batch={m.name: m.max_batch_size for m in cfg.models})
-    plan = solve(profiles, slos, opts)
+    return solve(profiles, slos, opts)
+
+
+def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
+               rates: dict[str, float] | None = None) -> Plan:
+    """`plan_for`, refusing a plan that leaves some model out (ConfigError saying why)."""
+    plan = plan_for(cfg, profiles, rates)
     if plan.status is SolverStatus.INFEASIBLE:
         why = "; ".join(s.reason for s in plan.shortfalls)
         raise ConfigError(f"no plan can serve every model within its SLO: {why}")

@@ -1,16 +1,11 @@
-"""`dstack plan`: solve a deployment config against a profile directory and print the plan."""
+"""Presenting a plan: the table `dstack plan` prints and the Gantt chart of its schedule."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-from dstack.config import ConfigError, load_config
-from dstack.types import Plan, ProfileError, SolverStatus, load_profiles
-from optimizer.formulation import SolveOptions
+from dstack.types import Plan, Schedule
 from optimizer.packing import pack
-from optimizer.solve import solve
 
 
 def format_plan(plan: Plan) -> str:
@@ -35,43 +30,15 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every model is placed (optimal or partial), 1 when some cannot be."""
-    cfg = load_config(args.config)
-    directory = args.profiles or cfg.profiles
-    if directory is None:
-        raise ConfigError(f"{args.config}: no `profiles:` in the config and no --profiles given")
-    profiles = load_profiles(directory)
-    by_model = {}
-    for m in cfg.models:
-        prof = profiles.get(m.name) or profiles.get(m.zoo)
-        if prof is None:
-            raise ProfileError(f"{directory}: no profile for model {m.name!r}")
-        by_model[m.name] = prof if prof.model == m.name else _renamed(prof, m.name)
-    options = SolveOptions(max_batch={m.name: m.max_batch_size for m in cfg.models})
-    plan = solve(by_model, [m.slo() for m in cfg.models], options)
-    print(format_plan(plan))
-    if args.json:
-        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
-    if getattr(args, "plot", None):
-        draw_gantt(plan, args.plot)
-    return 1 if plan.status is SolverStatus.INFEASIBLE else 0
-
-
-def _renamed(prof, name: str):
-    from dataclasses import replace
-
-    return replace(prof, model=name)
-
-
-def draw_gantt(plan: Plan, path: str | Path) -> None:
-    """The packed schedule: time across, slice % up, one rectangle per slot."""
+def draw_gantt(plan: Plan, path: str | Path, schedule: Schedule | None = None) -> None:
+    """The schedule (default: the plan packed): time across, slice % up, a rectangle per
+    slot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sched = pack(plan)
+    sched = schedule or pack(plan)
     fig, ax = plt.subplots(figsize=(8, 3.5))
     colours = plt.get_cmap("tab10")
     base: dict[float, float] = {}  # shelf start -> % already stacked there
