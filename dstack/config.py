@@ -115,6 +115,9 @@ class DeployConfig(_Strict):
     cores: tuple[int, ...] | None = None
     """CPU cores the workers may use (default: all this process may use)."""
     adapt: AdaptConfig = AdaptConfig()
+    reuse_idle: bool = True
+    """Policy dstack: a model with queued work may run in capacity left idle by another
+    model's empty slot (never past anyone's bound). False: strictly its own slots."""
     rate_headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
     """Policy dstack plans for rate x (1 + rate_headroom): a plan sized for exactly the mean
     rate falls behind on every Poisson burst."""

@@ -119,7 +119,8 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
             for m in cfg.models
         }
     policy = make_policy(cfg.policy, params, backend, plan=plan, schedule=schedule,
-                         knees=knees, temporal_batch=tbatch, origin=origin)
+                         knees=knees, temporal_batch=tbatch, origin=origin,
+                         reuse_idle=cfg.reuse_idle)
     # Seed the latency model from the profile at the worker's slice where there is one.
     slices = policy.slices()
     for name, prof in profiles.items():

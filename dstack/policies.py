@@ -424,6 +424,7 @@ def make_policy(
     knees: dict[str, float] | None = None,
     temporal_batch: dict[str, int] | None = None,
     origin: float = 0.0,
+    reuse_idle: bool = True,
 ) -> Policy:
     if name is PolicyName.SHARED:
         return SharedPolicy(models, backend)
@@ -434,5 +435,5 @@ def make_policy(
     if name is PolicyName.DSTACK:
         if plan is None or schedule is None:
             raise ValueError("policy dstack needs a plan and a schedule")
-        return DStackPolicy(models, backend, plan, schedule, origin)
+        return DStackPolicy(models, backend, plan, schedule, origin, reuse_idle=reuse_idle)
     raise ValueError(f"unknown policy {name!r}")
