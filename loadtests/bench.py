@@ -1,0 +1,494 @@
+"""`make bench`: the four policies side by side on this machine, against the limit.
+
+In one run:
+1. **In-process ceiling** per model: the model called directly in a fresh process with the
+   same cores and threads the server's workers get, at every batch size up to the max;
+   the best items/s is what no server can beat.
+2. **Two-model mix** (`configs/bench-mix-<policy>.yaml`): for each policy a real server
+   (`dstack serve` subprocess on 127.0.0.1, free port, polled on `/v2/health/ready`,
+   stopped by PID on every path) under the same open-loop Poisson load at several rates
+   (a multiple of the configured `rate_rps`, ascending): goodput within SLO, attainment,
+   p99 per rate; the **maximum sustainable rate** is the highest multiple with >= 99%
+   attainment on every model.
+3. **Single model** (`configs/bench-single-resnet18-<policy>.yaml`): 8 concurrent
+   tritonclient (aio) clients, closed loop: goodput against the ceiling. The `shared` row
+   is issue 2's figure. On tiny_cnn (`shared`) the same gives the **server overhead** per
+   request next to the ceiling.
+4. **Peak RSS** of each server and its workers (psutil over the process tree).
+
+Output: a table on stdout, `docs/benchmarks.png` (goodput vs offered load per policy),
+and `out/bench/bench.json` with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from server import codec
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("temporal", "shared", "spatial", "dstack")
+DSTACK = Path(sys.executable).with_name("dstack")
+
+
+# --------------------------------------------------------------------------- ceiling
+
+_CEILING_CHILD = r"""
+import json, os, sys, time, torch, models
+cores = json.loads(sys.argv[2])
+os.sched_setaffinity(0, set(cores)); torch.set_num_threads(len(cores))
+m = models.load_model(sys.argv[1]); spec = models.spec(sys.argv[1])
+shape = spec.inputs[0].shape[1:]; out = {}
+with torch.inference_mode():
+    for b in json.loads(sys.argv[3]):
+        x = torch.rand(b, *shape)
+        for _ in range(3): m(x)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < float(sys.argv[4]):
+            m(x); n += b
+        out[b] = n / (time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
+
+def ceiling(model: str, cores: list[int], batches: list[int], seconds: float) -> dict[int, float]:
+    """items/s per batch size, the model called directly in one fresh process."""
+    r = subprocess.run(
+        [sys.executable, "-c", _CEILING_CHILD, model, json.dumps(cores), json.dumps(batches),
+         str(seconds)], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+
+
+# --------------------------------------------------------------------------- server
+
+
+class RssWatch:
+    """Peak RSS of a process and its descendants, sampled on a thread."""
+
+    def __init__(self, pid: int, period_s: float = 0.25) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak: dict[int, int] = {}
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                return
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                except psutil.Error:
+                    continue
+                self.peak[p.pid] = max(self.peak.get(p.pid, 0), rss)
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._t.join(2)
+        return self.peak
+
+
+@dataclass
+class Server:
+    host: str
+    pid: int
+    log: Path
+    rss: RssWatch
+    worker_pids: dict[str, int] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[Server]:
+    """A `dstack serve` subprocess on 127.0.0.1, ready; stopped by PID on every path."""
+    port = _free_port()
+    host = f"http://127.0.0.1:{port}"
+    with log.open("w") as lf:
+        proc = subprocess.Popen(
+            [str(DSTACK), "serve", "--config", str(config), "--host", "127.0.0.1",
+             "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        rss = RssWatch(proc.pid)
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready in {ready_timeout_s:g} s")
+            try:
+                with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        srv = Server(host, proc.pid, log, rss)
+        for m, pid in re.findall(r"worker (\S+) ready \(pid (\d+)", log.read_text()):
+            srv.worker_pids[m] = int(pid)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def peak_rss_mb(srv: Server) -> dict[str, float]:
+    peak = srv.rss.stop()
+    out = {"server": peak.get(srv.pid, 0) / 2**20}
+    for m, pid in srv.worker_pids.items():
+        out[f"worker {m}"] = peak.get(pid, 0) / 2**20
+    return out
+
+
+# --------------------------------------------------------------------------- load
+
+
+def one_item_body(model_meta: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    t = model_meta["inputs"][0]
+    x = np.random.default_rng(0).random([1, *t["shape"][1:]], dtype=np.float32)
+    body, hlen = codec.encode_request({t["name"]: x})
+    return body, {"Content-Type": "application/octet-stream", codec.HEADER_LENGTH: str(hlen)}
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@dataclass
+class Outcome:
+    latencies_ms: list[float] = field(default_factory=list)  # answered (200)
+    ok: int = 0  # answered within the SLO
+    late: int = 0
+    refused: int = 0
+    error: int = 0
+    lag_ms: float = 0.0  # worst generator lag behind the Poisson schedule
+
+    @property
+    def sent(self) -> int:
+        return self.ok + self.late + self.refused + self.error
+
+
+async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
+                    duration_s: float, seed: int = 1, max_inflight: int = 512
+                    ) -> dict[str, Outcome]:
+    """Poisson arrivals per model at `rates` for `duration_s`, bounded in count and in
+    flight; latency from the send to the full response."""
+    import aiohttp
+
+    rng = np.random.default_rng(seed)
+    metas = {m: _get_json(f"{host}/v2/models/{m}") for m in rates}
+    bodies = {m: one_item_body(metas[m]) for m in rates}
+    out = {m: Outcome() for m in rates}
+    sem = asyncio.Semaphore(max_inflight)
+    conn = aiohttp.TCPConnector(limit=max_inflight, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=max(10.0, 5 * max(slos_ms.values()) / 1000))
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+
+        async def one(m: str, at: float, t_start: float) -> None:
+            o = out[m]
+            async with sem:
+                t0 = time.perf_counter()
+                o.lag_ms = max(o.lag_ms, (t0 - t_start - at) * 1000)
+                try:
+                    body, headers = bodies[m]
+                    async with http.post(f"{host}/v2/models/{m}/infer", data=body,
+                                         headers=headers) as r:
+                        await r.read()
+                        status = r.status
+                except (aiohttp.ClientError, TimeoutError):
+                    o.error += 1
+                    return
+                ms = (time.perf_counter() - t0) * 1000
+                if status in (429, 503):
+                    o.refused += 1
+                elif status != 200:
+                    o.error += 1
+                else:
+                    o.latencies_ms.append(ms)
+                    if ms <= slos_ms[m]:
+                        o.ok += 1
+                    else:
+                        o.late += 1
+
+        arrivals = []
+        for m, rate in rates.items():
+            n = int(rate * duration_s * 2) + 10
+            times = np.cumsum(rng.exponential(1 / rate, n))
+            arrivals += [(float(t), m) for t in times[times < duration_s]]
+        arrivals.sort()
+        t_start = time.perf_counter()
+        tasks = []
+        for at, m in arrivals:
+            delay = t_start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(m, at, t_start)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+async def closed_loop_tritonclient(host: str, model: str, clients: int, duration_s: float,
+                                   slo_ms: float) -> tuple[float, float, float]:
+    """`clients` tritonclient aio clients (one each) in a closed loop: (req/s, goodput
+    within the SLO, p99 ms)."""
+    import tritonclient.http.aio as aio
+    from tritonclient.http import InferInput
+    from tritonclient.utils import InferenceServerException
+
+    meta = _get_json(f"{host}/v2/models/{model}")
+    t = meta["inputs"][0]
+    x = np.random.default_rng(0).random([1, *t["shape"][1:]], dtype=np.float32)
+    url = host.removeprefix("http://")
+    lat: list[float] = []
+    ok = failed = 0
+    end = time.perf_counter() + duration_s
+
+    async def client() -> None:
+        nonlocal ok, failed
+        c = aio.InferenceServerClient(url)
+        inp = InferInput(t["name"], list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        try:
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                try:
+                    await c.infer(model, [inp])
+                except InferenceServerException:
+                    failed += 1  # refused (429/503): counts against goodput, not a crash
+                    continue
+                ms = (time.perf_counter() - t0) * 1000
+                lat.append(ms)
+                ok += ms <= slo_ms
+        finally:
+            await c.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    return len(lat) / wall, ok / wall, float(np.percentile(lat, 99)) if lat else float("nan")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _p99(o: Outcome) -> float:
+    return float(np.percentile(o.latencies_ms, 99)) if o.latencies_ms else float("nan")
+
+
+def _models_of(config: Path) -> list[dict[str, Any]]:
+    return yaml.safe_load(config.read_text())["models"]
+
+
+def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) -> dict[str, Any]:
+    config = ROOT / f"configs/bench-mix-{policy}.yaml"
+    models = _models_of(config)
+    base = {m["name"]: float(m["rate_rps"]) for m in models}
+    slos = {m["name"]: float(m["slo_ms"]) for m in models}
+    points = []
+    with serving(config, outdir / f"server-mix-{policy}.log") as srv:
+        # Warm the HTTP path and the workers before measuring.
+        asyncio.run(open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 1.0))
+        for s in scales:
+            rates = {m: r * s for m, r in base.items()}
+            res = asyncio.run(open_loop(srv.host, rates, slos, seconds, seed=int(s * 100)))
+            sent = sum(o.sent for o in res.values())
+            ok = sum(o.ok for o in res.values())
+            points.append({
+                "scale": s, "offered_rps": sum(rates.values()),
+                "goodput_rps": ok / seconds,
+                "attainment": ok / sent if sent else 0.0,
+                "per_model": {m: {"sent": o.sent, "ok": o.ok, "late": o.late,
+                                  "refused": o.refused, "error": o.error,
+                                  "attainment": o.ok / o.sent if o.sent else 0.0,
+                                  "p99_ms": _p99(o), "lag_ms": o.lag_ms}
+                              for m, o in res.items()},
+            })
+            print(f"  {policy:8s} x{s:<4g} offered {sum(rates.values()):6.1f} rps  goodput "
+                  f"{ok / seconds:6.1f}  attainment {100 * points[-1]['attainment']:5.1f}%  "
+                  + "  ".join(f"{m} p99 {_p99(o):.0f} ms" for m, o in res.items()), flush=True)
+        rss = peak_rss_mb(srv)
+    sustainable = max((p["offered_rps"] for p in points
+                       if all(v["attainment"] >= 0.99 for v in p["per_model"].values())),
+                      default=0.0)
+    return {"points": points, "max_sustainable_rps": sustainable, "rss_mb": rss,
+            "seconds": seconds}
+
+
+def bench_single(config: Path, model: str, seconds: float, outdir: Path,
+                 clients: int = 8) -> dict[str, Any]:
+    slo = float(_models_of(config)[0]["slo_ms"])
+    with serving(config, outdir / f"server-{config.stem}.log") as srv:
+        asyncio.run(closed_loop_tritonclient(srv.host, model, clients, 1.0, slo))  # warm-up
+        rps, good, p99 = asyncio.run(
+            closed_loop_tritonclient(srv.host, model, clients, seconds, slo))
+        rss = peak_rss_mb(srv)
+    return {"rps": rps, "goodput_rps": good, "p99_ms": p99, "rss_mb": rss}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    top = 0.0
+    for pol, r in results["mix"].items():
+        xs = [p["offered_rps"] for p in r["points"]]
+        ys = [p["goodput_rps"] for p in r["points"]]
+        top = max(top, *xs)
+        ax.plot(xs, ys, marker="o", label=pol)
+    ax.plot([0, top], [0, top], ls=":", c="gray", label="offered (all within SLO)")
+    ax.set_xlabel("offered load (requests/s, Poisson, both models)")
+    ax.set_ylabel("goodput (requests/s within SLO)")
+    ax.set_title("mobilenet_v3_small + resnet18 on 2 CPU cores")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="loadtests.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scales", default="0.5,1,1.5,2",
+                    help="offered load as multiples of the configs' rate_rps")
+    ap.add_argument("--seconds", type=float, default=6.0, help="length of each load point")
+    ap.add_argument("--single-seconds", type=float, default=8.0)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", default="out/bench")
+    ap.add_argument("--plot", default="docs/benchmarks.png")
+    args = ap.parse_args(argv)
+    outdir = ROOT / args.out
+    outdir.mkdir(parents=True, exist_ok=True)
+    policies = [p for p in args.policies.split(",") if p]
+    scales = [float(s) for s in args.scales.split(",")]
+    cores = sorted(os.sched_getaffinity(0))
+    t_all = time.monotonic()
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+
+    print("in-process ceiling (best batch, same cores):", flush=True)
+    ceil: dict[str, Any] = {}
+    for m in ("tiny_cnn", "mobilenet_v3_small", "resnet18"):
+        # Best of three rounds per batch size: on a shared machine noise only slows a run.
+        rounds = [ceiling(m, cores, [1, 2, 4, 8], 0.8) for _ in range(3)]
+        per_b = {b: max(r[b] for r in rounds) for b in rounds[0]}
+        best = max(per_b, key=per_b.__getitem__)
+        ceil[m] = {"per_batch": per_b, "best_batch": best, "items_s": per_b[best]}
+        print(f"  {m:20s} best batch {best}: {per_b[best]:8.1f} items/s  "
+              + " ".join(f"b{b}={v:.0f}" for b, v in per_b.items()), flush=True)
+
+    results: dict[str, Any] = {"cores": cores, "ceiling": ceil, "mix": {}, "single": {}}
+    print("two-model mix, open-loop Poisson:", flush=True)
+    for pol in policies:
+        results["mix"][pol] = bench_mix(pol, scales, args.seconds, outdir)
+
+    print("single model, 8 tritonclient aio clients (closed loop):", flush=True)
+    for pol in policies:
+        r = bench_single(ROOT / f"configs/bench-single-resnet18-{pol}.yaml", "resnet18",
+                         args.single_seconds, outdir)
+        r["ratio_to_ceiling"] = r["goodput_rps"] / ceil["resnet18"]["items_s"]
+        results["single"][pol] = r
+        print(f"  resnet18 {pol:8s} {r['rps']:6.1f} req/s  goodput {r['goodput_rps']:6.1f}  "
+              f"= {100 * r['ratio_to_ceiling']:5.1f}% of ceiling  p99 {r['p99_ms']:.0f} ms",
+              flush=True)
+    tiny = bench_single(ROOT / "configs/bench-single-tiny_cnn-shared.yaml", "tiny_cnn",
+                        args.single_seconds, outdir)
+    tiny["ratio_to_ceiling"] = tiny["rps"] / ceil["tiny_cnn"]["items_s"]
+    tiny["server_us_per_request"] = 1e6 / tiny["rps"] - 1e6 / ceil["tiny_cnn"]["items_s"]
+    results["overhead_tiny_cnn"] = tiny
+    results["elapsed_s"] = time.monotonic() - t_all
+    results["load_average_end"] = os.getloadavg()
+
+    print(report(results))
+    (outdir / "bench.json").write_text(json.dumps(results, indent=1, default=float))
+    plot(results, ROOT / args.plot)
+    print(f"\nwrote {outdir / 'bench.json'} and {args.plot}; "
+          f"{results['elapsed_s']:.0f} s; load average at end {results['load_average_end']}")
+    return 0
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = []
+    mix = r["mix"]
+    base = mix.get("temporal")
+    ref_scale = 1.0
+    lines.append("\nTwo-model mix (mobilenet_v3_small SLO 60 ms + resnet18 SLO 250 ms), "
+                 f"at x{ref_scale:g} the configured rates:")
+    head = (f"{'policy':9s} {'offered':>8s} {'goodput':>8s} {'attain':>7s} {'p99 mnv3':>9s} "
+            f"{'p99 r18':>8s} {'vs temporal':>11s} {'vs ceiling':>10s} {'max rate@99%':>12s} "
+            f"{'RSS server/workers MB':>22s}")
+    lines += [head, "-" * len(head)]
+    ceil = r["ceiling"]
+    for pol, res in mix.items():
+        p = next((q for q in res["points"] if q["scale"] == ref_scale), res["points"][0])
+        # The mix's ceiling: the fluid share of the device each model needs at its best
+        # batch; goodput can't exceed offered, nor the rate that fills the whole device.
+        need = sum(v["sent"] / res["seconds"] / ceil[m]["items_s"]
+                   for m, v in p["per_model"].items())
+        ceiling_rps = p["offered_rps"] / max(1.0, need)
+        tb = next((q for q in base["points"] if q["scale"] == p["scale"]), None) if base else None
+        vs_t = p["goodput_rps"] / tb["goodput_rps"] if tb and tb["goodput_rps"] else float("nan")
+        pm = p["per_model"]
+        rss = res["rss_mb"]
+        workers = "/".join(f"{v:.0f}" for k, v in rss.items() if k != "server")
+        lines.append(
+            f"{pol:9s} {p['offered_rps']:8.1f} {p['goodput_rps']:8.1f} "
+            f"{100 * p['attainment']:6.1f}% {pm['mobilenet_v3_small']['p99_ms']:7.0f}ms "
+            f"{pm['resnet18']['p99_ms']:6.0f}ms {vs_t:11.2f} "
+            f"{p['goodput_rps'] / ceiling_rps:10.2f} {res['max_sustainable_rps']:10.1f}/s "
+            f"{rss['server']:>10.0f}/{workers}")
+    lines.append("\nSingle model resnet18, 8 tritonclient clients; in-process ceiling "
+                 f"{ceil['resnet18']['items_s']:.1f} items/s at batch "
+                 f"{ceil['resnet18']['best_batch']}:")
+    for pol, s in r["single"].items():
+        lines.append(f"  {pol:9s} {s['goodput_rps']:6.1f} rps within SLO = "
+                     f"{100 * s['ratio_to_ceiling']:5.1f}% of ceiling (target 95%), "
+                     f"p99 {s['p99_ms']:.0f} ms")
+    t = r["overhead_tiny_cnn"]
+    lines.append(f"\nServer overhead, tiny_cnn (shared, 8 clients): {t['rps']:.0f} req/s vs "
+                 f"in-process {ceil['tiny_cnn']['items_s']:.0f} items/s "
+                 f"({100 * t['ratio_to_ceiling']:.1f}%): about "
+                 f"{t['server_us_per_request']:.0f} us of HTTP + decode + dispatch per request")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
