@@ -20,7 +20,7 @@ import numpy as np
 
 from dstack.adapt import RateTracker, ReplanTrigger
 from dstack.backend import ModelStats
-from dstack.config import DeployConfig, ModelConfig, PolicyName
+from dstack.config import ConfigError, DeployConfig, ModelConfig, PolicyName
 from dstack.errors import (
     BackendError,
     DeadlineRefused,
@@ -32,7 +32,7 @@ from dstack.errors import (
 from dstack.latency import LinearLatency
 from dstack.planning import PolicySetup, setup_policy
 from dstack.policies import Policy, QueueView
-from dstack.slices import CpuSlices, SliceBackend, SliceSpec
+from dstack.slices import CpuSlices, MpsSlices, SliceBackend, SliceSpec
 from dstack.types import ModelSpec, Plan, Schedule
 from dstack.worker import WorkerConfig, WorkerHandle, WorkerState, arena_for
 
@@ -94,9 +94,13 @@ def served_spec(m: ModelConfig) -> ModelSpec:
 
     try:
         base = models.spec(m.zoo)
-    except models.ModelZooError:
+    except models.ModelZooError as e:
         if m.input_shape is None or m.num_classes is None:
-            raise
+            if m.torchscript is not None or m.builder is not None:
+                raise ConfigError(
+                    f"models.{m.name}: not in the zoo, so give input_shape and num_classes"
+                ) from None
+            raise ConfigError(f"models.{m.name}: {e}") from None
         base = ModelSpec(
             m.name,
             (TensorSpec("input", DType.FP32, (-1, *m.input_shape)),),
@@ -110,13 +114,20 @@ def served_spec(m: ModelConfig) -> ModelSpec:
     return ModelSpec(m.name, base.inputs, base.outputs, m.max_batch_size)
 
 
+def default_slices(cfg: DeployConfig) -> SliceBackend:
+    """CPU: core sets. CUDA: MPS percentages (the daemon is found or started in `start`)."""
+    if cfg.device.value == "cuda":
+        return MpsSlices()
+    return CpuSlices(cfg.cores)
+
+
 class Runtime:
     """Queues, dispatcher and workers for one deployment. See module docstring."""
 
     def __init__(self, cfg: DeployConfig, *, slices: SliceBackend | None = None,
                  keep_batch_log: int = 10_000) -> None:
         self.cfg = cfg
-        self.slices = slices or CpuSlices(cfg.cores)
+        self.slices = slices or default_slices(cfg)
         self.models: dict[str, _ModelState] = {
             m.name: _ModelState(m, served_spec(m)) for m in cfg.models
         }
@@ -138,6 +149,22 @@ class Runtime:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        # MPS: find or start the control daemon before any worker makes a CUDA context.
+        opener = getattr(self.slices, "open", None)
+        if opener is not None:
+            opener()
+        try:
+            await self._start()
+        except BaseException:
+            self._close_slices()
+            raise
+
+    def _close_slices(self) -> None:
+        closer = getattr(self.slices, "close", None)
+        if closer is not None:
+            closer()
+
+    async def _start(self) -> None:
         self.setup = setup_policy(self.cfg, self.slices, origin=time.monotonic())
         self.policy = self.setup.policy
         self.latency = self.policy.latency if hasattr(self.policy, "latency") else {}
@@ -179,6 +206,7 @@ class Runtime:
             weights=str(st.cfg.weights) if st.cfg.weights else None,
             torchscript=str(st.cfg.torchscript) if st.cfg.torchscript else None,
             builder=st.cfg.builder,
+            extra_env=getattr(self.slices, "worker_env", dict)(),
         )
         h = WorkerHandle.create(wcfg)
         try:
@@ -245,6 +273,7 @@ class Runtime:
             *(st.worker.stop() for st in self.models.values() if st.worker is not None),
             return_exceptions=True,
         )
+        self._close_slices()  # stops an MPS daemon the runtime started, after its clients
 
     def _spawn(self, coro: object) -> None:
         t = asyncio.create_task(coro)  # type: ignore[arg-type]

@@ -85,6 +85,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
     logging.basicConfig(
         level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    app = build_app(cfg)  # checks every model against the zoo before anything listens
     try:
         sock = bind(host, port)
     except OSError as e:
@@ -100,7 +101,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         cfg.policy.value,
         names,
     )
-    server = make_server(build_app(cfg), log_level=cfg.server.log_level)
+    server = make_server(app, log_level=cfg.server.log_level)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
