@@ -1,0 +1,108 @@
+"""The model zoo and the deployment config: what a user sees when they get them wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from dstack.config import ConfigError, PolicyName, load_config
+from dstack.runtime import served_spec
+
+
+def test_zoo_has_torchvision_classifiers_and_tiny_cnn_with_batch_dim_specs() -> None:
+    names = models.names()
+    for n in ("resnet50", "vgg19", "alexnet", "mobilenet_v3_small", "efficientnet_b0",
+              "vit_b_16", "tiny_cnn"):
+        assert n in names
+    s = models.spec("vit_b_16")
+    assert s.inputs[0].shape == (-1, 3, 224, 224) and s.outputs[0].shape == (-1, 1000)
+
+
+def test_unknown_model_lists_the_known_ones() -> None:
+    with pytest.raises(models.ModelZooError, match="known models: .*resnet18"):
+        models.get("resnet51")
+
+
+def test_local_weights_load_with_weights_only(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    ref = models.load_model("tiny_cnn")
+    path = tmp_path / "w.pt"
+    torch.save(ref.state_dict(), path)
+    got = models.load_model("tiny_cnn", weights=path)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(got(x), ref(x))
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(models.ModelZooError, match="cannot read weights"):
+        models.load_model("tiny_cnn", weights=tmp_path / "bad.pt")
+    with pytest.raises(models.ModelZooError, match="does not exist"):
+        models.load_model("tiny_cnn", weights=tmp_path / "missing.pt")
+
+
+class Doubler(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(x, 1)[:, :5] * 2
+
+
+def build_doubler() -> nn.Module:
+    return Doubler()
+
+
+def test_user_models_from_torchscript_or_a_builder(tmp_path: Path) -> None:
+    ts = tmp_path / "m.pt"
+    torch.jit.script(Doubler()).save(str(ts))
+    x = torch.ones(2, 3, 4, 4)
+    assert torch.equal(models.load_model("mine", torchscript=ts)(x), torch.full((2, 5), 2.0))
+    m = models.load_model("mine", builder=f"{__name__}:build_doubler")
+    assert torch.equal(m(x), torch.full((2, 5), 2.0))
+    with pytest.raises(models.ModelZooError, match="package.module:function"):
+        models.load_model("mine", builder="no_colon")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "deploy.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_config_defaults_and_relative_paths(tmp_path: Path) -> None:
+    (tmp_path / "w").mkdir()
+    cfg = load_config(write(tmp_path, "models:\n  - name: tiny_cnn\n    weights: w/t.pt\n"))
+    assert cfg.server.host == "127.0.0.1" and cfg.policy is PolicyName.SHARED
+    assert cfg.models[0].weights == (tmp_path / "w" / "t.pt").resolve()
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("models: []\n", "models"),
+        ("models:\n  - name: a\n    slo_ms: -1\n", "models.0.slo_ms"),
+        ("models:\n  - name: a\n    slo_ms: 10\n    max_queue_delay_ms: 20\n", "below slo_ms"),
+        ("models:\n  - name: a\n  - name: a\n", "appears twice"),
+        ("policy: dstack\nmodels:\n  - name: a\n", "needs `profiles:`"),
+        ("policy: fastest\nmodels:\n  - name: a\n", "policy"),
+        ("models:\n  - name: a\n    colour: red\n", "models.0.colour"),
+        ("server:\n  port: 70000\nmodels:\n  - name: a\n", "server.port"),
+        ("models: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_field_and_the_reason(tmp_path: Path, text: str,
+                                                   needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert needle in str(e.value)
+
+
+def test_served_spec_uses_the_configured_max_batch_and_user_shapes(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, (
+        "models:\n  - name: r\n    zoo_name: resnet18\n    max_batch_size: 3\n"
+        "  - name: mine\n    builder: x:y\n    input_shape: [3, 4, 4]\n    num_classes: 5\n"
+        "  - name: nope\n"
+    )))
+    assert served_spec(cfg.models[0]).max_batch_size == 3
+    assert served_spec(cfg.models[1]).inputs[0].shape == (-1, 3, 4, 4)
+    with pytest.raises(ConfigError, match="models.nope: unknown model"):
+        served_spec(cfg.models[2])
