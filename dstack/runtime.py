@@ -83,6 +83,7 @@ class _ModelState:
     worker: WorkerHandle | None = None
     running: bool = False
     restarting: bool = False
+    held: bool = False  # switching to a shadow worker: launch nothing until it is attached
     counters: _Counters = field(default_factory=_Counters)
 
 
@@ -371,7 +372,8 @@ class Runtime:
         out = {}
         for name, st in self.models.items():
             head = st.queue[0] if st.queue else None
-            busy = st.running or st.worker is None or st.worker.state is not WorkerState.READY
+            busy = (st.running or st.held or st.worker is None
+                    or st.worker.state is not WorkerState.READY)
             out[name] = QueueView(name, st.items, head.arrival if head else None,
                                   head.deadline if head else None, busy)
         return out
@@ -428,7 +430,8 @@ class Runtime:
 
     def _launch(self, model: str, max_items: int, reuse: bool, now: float) -> None:
         st = self.models[model]
-        if st.running or st.worker is None or st.worker.state is not WorkerState.READY:
+        if (st.running or st.held or st.worker is None
+                or st.worker.state is not WorkerState.READY):
             return
         batch: list[Request] = []
         taken = 0
@@ -549,15 +552,19 @@ class Runtime:
                     if isinstance(s, WorkerHandle):
                         await s.stop()
                 return
-            # Switch: wait until the old workers are between batches, then swap all at once
-            # so the new plan and its slices take effect together.
+            # Switch: hold new launches on the changed models, wait for their running
+            # batches to finish, then swap all at once so the new plan and its slices take
+            # effect together. Queued requests stay queued across the switch.
+            for n in changed:
+                self.models[n].held = True
             while any(self.models[n].running for n in changed):
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.0005)
             olds = []
             for n, h in zip(changed, shadows, strict=True):
                 assert isinstance(h, WorkerHandle)
                 olds.append(self.models[n].worker)
                 self._attach(n, h)
+                self.models[n].held = False
             new.policy.latency.update(self.latency)  # type: ignore[attr-defined]
             self.latency = new.policy.latency  # type: ignore[attr-defined]
             self.setup, self.policy = new, new.policy
@@ -573,6 +580,8 @@ class Runtime:
         except Exception:
             log.exception("re-plan failed; keeping the current plan")
         finally:
+            for st in self.models.values():
+                st.held = False
             self._replanning = False
 
 

@@ -242,9 +242,10 @@ def test_a_dead_worker_fails_its_requests_at_once_and_is_restarted(tmp_path: Pat
 
 def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path: Path) -> None:
     """Model a is planned for 5 rps and then gets ~110: the rate tracker notices, the plan
-    is re-solved (a now needs the whole device for its throughput), a shadow worker starts
-    in the new slice and takes over; every request is answered."""
-    write_cpu_profiles(tmp_path, ms_per_item=4.0)
+    is re-solved (by its profile a can do at most 55 rps on 50%, so past ~46 rps measured
+    it needs the whole device), a shadow worker starts in the new slice and takes over;
+    every request is answered."""
+    write_cpu_profiles(tmp_path, ms_per_item=10.0)
     cfg = config("dstack", tmp_path, slo_ms=3000, max_queue_delay_ms=5)
     cfg["models"][0]["rate_rps"] = 5
     cfg["models"][1]["rate_rps"] = 5

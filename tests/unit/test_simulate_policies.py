@@ -16,19 +16,20 @@ from tests.unit._simulate_fixtures import config, knee50, make_profile
 ALL = [PolicyName.DSTACK, PolicyName.TEMPORAL, PolicyName.SHARED, PolicyName.SPATIAL]
 
 
-def _two_knees(planned_rps: float = 480.0) -> tuple:
+def _two_knees(headroom: float = 0.2) -> tuple:
     """Two models whose knees (50%) sum to 100%, offered 400 rps each. On its knee a batch
     of 16 takes 26 ms, so side by side each can do 615 rps: the ideal serves everything.
     Taking turns on the whole device each request costs 26/16 ms of the whole device: at
     most 615 rps in all, short of the 800 offered.
 
-    The config declares `planned_rps` (20% headroom by default): the solver picks the
-    longest cycle that serves exactly the declared rate, so a plan for exactly 400 rps has
-    no slack for Poisson bursts (see test_a_plan_without_headroom_falls_short)."""
+    The config declares 400 rps and plans for 400 x (1 + headroom) (`rate_headroom`, 20%
+    by default): the solver picks the longest cycle that serves exactly the planned rate,
+    so a plan for exactly 400 rps has no slack for Poisson bursts (see
+    test_a_plan_without_headroom_falls_short)."""
     cfg = config([
-        {"name": "a", "slo_ms": 100, "max_batch_size": 16, "rate_rps": planned_rps},
-        {"name": "b", "slo_ms": 100, "max_batch_size": 16, "rate_rps": planned_rps},
-    ])
+        {"name": "a", "slo_ms": 100, "max_batch_size": 16, "rate_rps": 400.0},
+        {"name": "b", "slo_ms": 100, "max_batch_size": 16, "rate_rps": 400.0},
+    ], rate_headroom=headroom)
     profiles = {m: make_profile(m, knee50) for m in ("a", "b")}
     return cfg, profiles
 
@@ -51,7 +52,7 @@ def test_a_plan_without_headroom_falls_short() -> None:
     # Declared rate = offered rate: the cycle is 16 / 400 rps = 40 ms, the device is
     # planned 100% busy for the mean, and Poisson bursts queue up; the 14 ms left in each
     # cycle are too short for a reuse batch (26 ms) that must end before its next slot.
-    cfg, profiles = _two_knees(planned_rps=400.0)
+    cfg, profiles = _two_knees(headroom=0.0)
     arr = generate("poisson", {"a": 400.0, "b": 400.0}, 10.0, seed=1)
     sim = simulate(cfg, profiles, arr, [PolicyName.DSTACK, PolicyName.SPATIAL], 10.0)
     dstack, spatial = sim.reports
