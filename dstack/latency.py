@@ -9,12 +9,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
+
 
 @dataclass(slots=True)
 class LinearLatency:
+    """`observations` counts the batches seen. A seed (warm-up timings, a profile) is a
+    guess: until `TRUST_AFTER` real batches have been observed the estimate is not
+    `trusted`, and the runtime does not refuse requests on its word alone; otherwise a
+    seed that came out too slow (say, warm-up on a busy machine) would refuse every
+    request, so no batch would ever run to correct it."""
+
     k_s: float  # fixed cost per batch
     t_s: float  # cost per item
     alpha: float = 0.1  # weight of a new observation
+    observations: int = 0
+
+    @property
+    def trusted(self) -> bool:
+        return self.observations >= TRUST_AFTER
 
     @classmethod
     def from_points(cls, b1: int, s1: float, b2: int, s2: float) -> LinearLatency:
@@ -33,11 +46,15 @@ class LinearLatency:
         their share of the prediction."""
         pred = self.estimate_s(n)
         err = seconds - pred
+        self.observations += 1
         if pred <= 0:
             return
+        # Far off (more than 2x either way, or still a seed): move most of the way at once.
+        far = not (0.5 * pred <= seconds <= 2 * pred) or self.observations <= TRUST_AFTER
+        alpha = 0.7 if far else self.alpha
         share_k = self.k_s / pred
-        self.k_s = max(1e-6, self.k_s + self.alpha * err * share_k)
-        self.t_s = max(0.0, self.t_s + self.alpha * err * (1 - share_k) / max(n, 1))
+        self.k_s = max(1e-6, self.k_s + alpha * err * share_k)
+        self.t_s = max(0.0, self.t_s + alpha * err * (1 - share_k) / max(n, 1))
 
     def max_batch_within(self, budget_s: float, cap: int) -> int:
         """Largest n <= cap with estimate_s(n) <= budget_s (0 when even n=1 does not fit)."""

@@ -84,6 +84,7 @@ class _ModelState:
     running: bool = False
     restarting: bool = False
     held: bool = False  # switching to a shadow worker: launch nothing until it is attached
+    last_done: float = 0.0  # monotonic time its last batch finished (or serving began)
     counters: _Counters = field(default_factory=_Counters)
 
 
@@ -183,6 +184,8 @@ class Runtime:
             raise errors[0]
         # Anchor the cycle at the moment serving starts.
         self._reanchor()
+        for st in self.models.values():
+            st.last_done = time.monotonic()
         if self.policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
             self.trigger = ReplanTrigger(
                 {m.name: m.rate_rps for m in self.cfg.models},
@@ -351,7 +354,7 @@ class Runtime:
                 f"{st.cfg.max_queue}); retry later"
             )
         deadline = now + st.cfg.slo_ms / 1000
-        est = self.latency.get(model)
+        est = self._refusal_estimate(model, now)
         if est is not None and now + est.estimate_s(n) > deadline:
             st.counters.refused += 1
             st.counters.failure += 1
@@ -368,6 +371,19 @@ class Runtime:
 
     # ------------------------------------------------------------------ dispatcher
 
+    def _refusal_estimate(self, name: str, now: float) -> LinearLatency | None:
+        """The latency estimate that may refuse requests of `name`, or None while it is
+        only a seed (see LinearLatency.trusted) or stale: when the model has finished no
+        batch for max(1 s, its SLO) while idle, the next request is let through as a probe,
+        so an estimate that says "too slow" cannot refuse everything for ever."""
+        est = self.latency.get(name)
+        if est is None or not est.trusted:
+            return None
+        st = self.models[name]
+        if not st.running and now - st.last_done > max(1.0, st.cfg.slo_ms / 1000):
+            return None
+        return est
+
     def _views(self) -> dict[str, QueueView]:
         out = {}
         for name, st in self.models.items():
@@ -383,7 +399,7 @@ class Runtime:
         alone right now. Returns when the next one would become doomed."""
         nxt: float | None = None
         for name, st in self.models.items():
-            est = self.latency.get(name)
+            est = self._refusal_estimate(name, now)
             run_s = est.estimate_s(1) if est else 0.0
             while st.queue and st.queue[0].deadline - run_s < now:
                 r = st.queue.popleft()
@@ -446,7 +462,7 @@ class Runtime:
             taken += r.n
         # Refuse, rather than serve late, the requests this batch would answer after their
         # deadline. FIFO order is deadline order, so only heads can be late.
-        est = self.latency.get(model)
+        est = self._refusal_estimate(model, now)
         while batch and est is not None and batch[0].deadline < now + est.estimate_s(taken):
             r = batch.pop(0)
             taken -= r.n
@@ -490,6 +506,7 @@ class Runtime:
             st.running = False
             self._wake.set()
         end = time.monotonic()
+        st.last_done = end
         c = st.counters
         c.executions += 1
         c.inferences += n

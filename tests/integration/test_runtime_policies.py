@@ -16,6 +16,7 @@ import torch
 import models
 from dstack.config import parse_config
 from dstack.errors import BackendError, DeadlineRefused
+from dstack.latency import LinearLatency
 from dstack.runtime import Runtime
 from dstack.types import Cell, DeviceInfo, Plan, Profile, Schedule
 from optimizer.packing import validate_schedule
@@ -274,6 +275,31 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
             assert rt.current_slice("tiny_a") != slice_before
             assert rt.models["tiny_a"].worker.pid != pid_before  # type: ignore[union-attr]
             assert rt.plan().for_model("tiny_a").percent == 100.0  # type: ignore[union-attr]
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
+
+
+def test_a_too_slow_latency_estimate_cannot_lock_a_model_out() -> None:
+    """An estimate that says every request is hopeless (a warm-up on a busy machine, say)
+    refuses at first, but an idle model lets a probe through and the estimate corrects."""
+    cfg = parse_config({"models": [{"name": "tiny_cnn", "slo_ms": 200, "max_batch_size": 8,
+                                    "max_queue_delay_ms": 1}]})
+    x = np.zeros((1, 3, 32, 32), np.float32)
+
+    async def main() -> None:
+        rt = Runtime(cfg)
+        await rt.start()
+        try:
+            rt.latency["tiny_cnn"] = LinearLatency(0.5, 0.0, observations=10)  # "500 ms"
+            with pytest.raises(DeadlineRefused, match="takes about 500"):
+                await rt.infer("tiny_cnn", {"input": x})
+            await asyncio.sleep(1.1)  # idle for longer than max(1 s, SLO): probe
+            assert (await rt.infer("tiny_cnn", {"input": x}))["output"].shape == (1, 10)
+            assert rt.latency["tiny_cnn"].estimate_s(1) < 0.2
+            for _ in range(3):
+                await rt.infer("tiny_cnn", {"input": x})
         finally:
             await rt.stop()
 
