@@ -15,6 +15,7 @@ very same objects on a virtual clock. Nothing here reads a clock, sleeps or does
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -247,6 +248,15 @@ class TemporalPolicy(SharedPolicy):
 # --------------------------------------------------------------------------- dstack
 
 
+def _slot_index(s: _SlotT) -> int:
+    return s.index
+
+
+# Slack for skipping whole cycles or slots by bounds: far above the rounding of sums of a
+# few seconds-scale floats, far below any slot length.
+_MARGIN_S = 1e-6
+
+
 @dataclass
 class _Busy:
     model: str
@@ -304,6 +314,19 @@ class DStackPolicy:
             self._own.setdefault(st.model, st)
         self._batch = {m.model: m.batch for m in self.the_plan.models}
         self._cycle_s = self.the_schedule.cycle_ms / 1000
+        # Bounds of one cycle's slots (offsets from the cycle's start), so that `decide`,
+        # `_next_start` and `_fits` skip whole cycles, and slots sorted by start, so that
+        # they stop at the first slot starting too late. Both are only used to skip work
+        # with a margin far above float rounding; every slot they keep gets the exact test.
+        self._by_start = sorted(self._slots, key=lambda s: (s.start_s, s.index))
+        self._starts = [s.start_s for s in self._by_start]
+        if self._slots:
+            self._lo_s = min(s.start_s for s in self._slots)
+            self._hi_s = max(s.start_s + s.dur_s for s in self._slots)
+            self._max_dur_s = max(s.dur_s for s in self._slots)
+        else:
+            self._lo_s = self._hi_s = self._max_dur_s = 0.0
+        self._own_slots = {m: tuple(s for s in self._slots if s.model == m) for m in self._own}
 
     @property
     def cycle_s(self) -> float:
@@ -333,14 +356,25 @@ class DStackPolicy:
             if not queues[m].running:
                 del self._busy[m]
         launches: list[Launch] = []
+        t = now + 1e-9
+        occ = self._occ
         # 1. Slot occurrences that have begun (this cycle and the last, for slots that
         #    straddle a cycle boundary).
         for k in (k_now - 1, k_now):
             base = self.origin + k * self._cycle_s
-            for s in self._slots:
+            if base + self._hi_s + _MARGIN_S <= now or base + self._lo_s - _MARGIN_S > now:
+                continue  # no slot of cycle k contains `now`
+            # The slots of cycle k containing `now`, not yet decided, in slot order.
+            hits = []
+            for s in self._by_start:
                 start = base + s.start_s
-                if not (start <= now + 1e-9 < start + s.dur_s) or (s.index, k) in self._occ:
-                    continue
+                if start > t:
+                    break  # sorted by start: every later one starts later still
+                if t < start + s.dur_s and (s.index, k) not in occ:
+                    hits.append(s)
+            if len(hits) > 1:
+                hits.sort(key=_slot_index)
+            for s in hits:
                 q = queues[s.model]
                 if q.items == 0:
                     self._occ[(s.index, k)] = "forfeited"
@@ -354,8 +388,9 @@ class DStackPolicy:
                                             s.percent, s.units)
         # 2. Reuse of idle capacity.
         if self.reuse_idle:
+            busy = self._busy
             for m, q in queues.items():
-                if q.items == 0 or q.running or m in self._busy:
+                if q.items == 0 or q.running or m in busy:
                     continue
                 n = min(q.items, self._batch[m])
                 end = now + self._estimate(m, n)
@@ -369,6 +404,28 @@ class DStackPolicy:
         return Decision(tuple(launches), self._next_start(now, k_now))
 
     def _next_start(self, now: float, k_now: int) -> float | None:
+        # The earliest slot start after `now` in cycles k_now and k_now + 1 (as
+        # `_next_start_reference`): base + offset is monotonic in the offset, so in each
+        # cycle the sorted offsets give sorted starts and a bisection finds the first.
+        t = now + 1e-9
+        best: float | None = None
+        for k in (k_now, k_now + 1):
+            start = self._first_start_after(t, self.origin + k * self._cycle_s)
+            if start is not None and (best is None or start < best):
+                best = start
+        return best
+
+    def _first_start_after(self, t: float, base: float) -> float | None:
+        starts = self._starts
+        i = bisect.bisect_right(starts, t - base)
+        while i > 0 and base + starts[i - 1] > t:  # the bisection's own rounding, both ways
+            i -= 1
+        while i < len(starts) and base + starts[i] <= t:
+            i += 1
+        return base + starts[i] if i < len(starts) else None
+
+    def _next_start_reference(self, now: float, k_now: int) -> float | None:
+        """The plain scan `_next_start` must agree with (kept for the tests)."""
         best: float | None = None
         for k in (k_now, k_now + 1):
             base = self.origin + k * self._cycle_s
@@ -379,7 +436,73 @@ class DStackPolicy:
         return best
 
     def _fits(self, model: str, t0: float, t1: float, k_now: int) -> bool:
-        """May `model` run on its own slice during [t0, t1] outside its slot?"""
+        """May `model` run on its own slice during [t0, t1] outside its slot?
+
+        The answer of `_fits_reference` (the plain scan over every slot of every cycle
+        the run may touch), found faster: whole cycles outside [t0, t1] are skipped and,
+        within a cycle, slots in start order up to the first one starting after t1. The
+        answer is a conjunction that does not depend on the scan order, except for the
+        float sum of the load: when that lands within a hair of 100%, the reference
+        decides, so the result is the same bit for bit.
+        """
+        mine = self._own[model]
+        load = mine.percent
+        units = mine.units
+        k_last = k_now + 1 + math.ceil((t1 - t0) / self._cycle_s)
+        lo0 = t0 + 1e-9
+        hi1 = t1 - 1e-9
+        starts = self._starts
+        by_start = self._by_start
+        occ = self._occ
+        busy = self._busy
+        origin, cycle_s = self.origin, self._cycle_s
+        # Only cycles whose slots can reach into [t0, t1] (one more each side for rounding;
+        # the bounds test below is the one that counts).
+        k_lo = max(k_now - 1, math.floor((lo0 - origin - self._hi_s) / cycle_s) - 1)
+        k_hi = min(k_last, math.floor((hi1 - origin - self._lo_s) / cycle_s) + 1)
+        ks = []
+        for k in range(k_lo, k_hi + 1):
+            base = origin + k * cycle_s
+            if base + self._hi_s + _MARGIN_S <= lo0 or base + self._lo_s - _MARGIN_S >= hi1:
+                continue
+            ks.append(k)
+        # Its own slots first: running into one is the commonest "no".
+        for s in self._own_slots[model]:
+            for k in ks:
+                start = origin + k * cycle_s + s.start_s
+                if start < hi1 and start + s.dur_s > lo0:
+                    return False
+        for k in ks:
+            base = origin + k * cycle_s
+            # Slots starting before lo0 - max duration end before t0: skip them.
+            i = bisect.bisect_left(starts, lo0 - base - self._max_dur_s - _MARGIN_S)
+            for s in by_start[i:]:
+                start = base + s.start_s
+                if start >= hi1:
+                    break  # every later slot starts later still
+                if start + s.dur_s <= lo0:
+                    continue
+                if s.model == model:
+                    return False  # would run into its own slot: wait for it instead
+                state = occ.get((s.index, k))
+                if state == "forfeited" and start <= lo0:
+                    continue
+                if state == "used" and s.model not in busy:
+                    continue  # its batch already ended: the rest of the slot is idle
+                load += s.percent
+                if units & s.units:
+                    return False
+        for b in busy.values():
+            if b.model != model and b.until > t0:
+                load += b.percent
+                if units & b.units:
+                    return False
+        if abs(load - 100.0) < 1e-6:
+            return self._fits_reference(model, t0, t1, k_now)
+        return load <= 100.0 + 1e-9
+
+    def _fits_reference(self, model: str, t0: float, t1: float, k_now: int) -> bool:
+        """The plain scan `_fits` must agree with (the definition; used near 100%)."""
         mine = self._own[model]
         load = mine.percent
         units = mine.units
@@ -391,12 +514,12 @@ class DStackPolicy:
                 if start + s.dur_s <= t0 + 1e-9 or start >= t1 - 1e-9:
                     continue
                 if s.model == model:
-                    return False  # would run into its own slot: wait for it instead
+                    return False
                 state = self._occ.get((s.index, k))
                 if state == "forfeited" and start <= t0 + 1e-9:
                     continue
                 if state == "used" and s.model not in self._busy:
-                    continue  # its batch already ended: the rest of the slot is idle
+                    continue
                 load += s.percent
                 if units & s.units:
                     return False
