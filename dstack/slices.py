@@ -7,14 +7,21 @@ is created and on CPU the thread pool is sized once.
 
 - CPU: a set of cores (affinity) and `torch.set_num_threads(len(cores))`.
 - CUDA + MPS: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` set in the worker before CUDA starts.
+  `MpsSlices.open()` starts a private MPS control daemon (own pipe/log directories, handed
+  to the workers through `worker_env()`) or attaches to a running one; the worker checks
+  it really is an MPS client (`dstack.mps.verify_client`) and refuses to start otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+log = logging.getLogger("dstack.slices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +97,23 @@ class CpuSlices:
 
 
 class MpsSlices:
-    """CUDA MPS: a thread percentage per worker process; no concrete units."""
+    """CUDA MPS: a thread percentage per worker process; no concrete units.
+
+    `open()` (the runtime calls it before starting workers) finds the control daemon:
+    with `start_daemon` True it starts a private one; False attaches to the one that the
+    environment's `CUDA_MPS_PIPE_DIRECTORY` (or the default /tmp/nvidia-mps) reaches and
+    refuses if none answers; None (default) attaches when `CUDA_MPS_PIPE_DIRECTORY` is set,
+    else starts a private one. `close()` stops only a daemon it started."""
 
     kind = "cuda"
 
-    def __init__(self, sm_count: int = 100) -> None:
+    def __init__(self, sm_count: int = 100, *, start_daemon: bool | None = None,
+                 base_env: Mapping[str, str] | None = None) -> None:
         self.sm_count = sm_count
+        self.start_daemon = start_daemon
+        self.base_env = dict(base_env if base_env is not None else os.environ)
+        self._env: dict[str, str] = {}
+        self._daemon: object | None = None
 
     @property
     def total_units(self) -> int:
@@ -111,6 +129,35 @@ class MpsSlices:
         total = sum(percents.values())
         scale = min(1.0, 100.0 / total) if total else 1.0
         return {m: self.slice_for(p * scale) for m, p in percents.items()}
+
+    def open(self) -> None:
+        from dstack import mps
+
+        start = self.start_daemon
+        if start is None:
+            start = "CUDA_MPS_PIPE_DIRECTORY" not in self.base_env
+        if start:
+            daemon = mps.start_private_daemon(self.base_env)
+            self._daemon, self._env = daemon, mps.client_env(daemon.env)
+            log.info("started a private MPS control daemon (pipe %s)", daemon.pipe_dir)
+            return
+        if not mps.daemon_answers(self.base_env):
+            pipe = self.base_env.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps (default)")
+            raise mps.MpsError(
+                f"device cuda with MPS slices, but no MPS control daemon answers on {pipe}: "
+                "start one (nvidia-cuda-mps-control -d) or unset CUDA_MPS_PIPE_DIRECTORY "
+                "to let the server start a private one"
+            )
+        self._env = mps.client_env(self.base_env)
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker needs to reach the daemon (pipe/log directories)."""
+        return dict(self._env)
+
+    def close(self) -> None:
+        if self._daemon is not None:
+            self._daemon.stop()  # type: ignore[attr-defined]
+            self._daemon = None
 
 
 def enter_slice(s: SliceSpec) -> int:

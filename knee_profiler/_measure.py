@@ -15,9 +15,12 @@ from typing import TextIO
 from knee_profiler.messages import CellResult, ChildDone, ChildError, MeasureRequest, encode
 from knee_profiler.slices import cpu_name, enter_slice
 
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
 
 def measure(req: MeasureRequest, out: TextIO) -> int:
-    """Enter the slice, load the model, time every batch size; 0 on success."""
+    """Enter the slice, then per model: load it, time every batch size, free it. 0 on
+    success. Several models share one child (one CUDA context per slice, not per model)."""
     def send(msg: CellResult | ChildDone | ChildError) -> None:
         out.write(encode(msg) + "\n")
         out.flush()
@@ -28,11 +31,8 @@ def measure(req: MeasureRequest, out: TextIO) -> int:
 
         import models
 
-        torch.manual_seed(req.seed)
         device = "cuda" if req.device == "cuda" else "cpu"
-        model = models.load_model(req.model).to(device)
-        shape = models.spec(req.model).inputs[0].shape
-        weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        dtype = getattr(torch, DTYPES[req.dtype])
     except Exception as e:  # the child must always answer, never just die
         send(ChildError(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
         return 1
@@ -45,20 +45,52 @@ def measure(req: MeasureRequest, out: TextIO) -> int:
         slice_units: int | None = int(props.multi_processor_count)
         name, unit_kind = props.name, "SMs"
         units_total = slice_units if req.percent >= 100 else 0
+        slice_info = {**slice_info, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+                      "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+                      "cudnn_benchmark": torch.backends.cudnn.benchmark}
     else:
         slice_units = len(req.slice_args.get("cores", [])) or None
         name, unit_kind, units_total = cpu_name(), "cores", 0
-    for b in req.batch_sizes:
+    weights_mb: dict[str, float] = {}
+    multi = bool(req.per_model)
+    for model_name, batches in req.work():
         try:
-            t = time_batch(model, shape, b, device, req.warmup, req.repeats, req.seed)
-        except Exception as e:  # e.g. out of memory at a big batch: report, go on
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            send(CellResult(batch=b, error=f"{type(e).__name__}: {str(e)[:500]}"))
+            torch.manual_seed(req.seed)
+            model = models.load_model(model_name).to(device=device, dtype=dtype)
+            shape = models.spec(model_name).inputs[0].shape
+            weights_mb[model_name] = (
+                sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
+        except Exception as e:
+            if not multi:
+                send(ChildError(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+                return 1
+            for b in batches:
+                send(CellResult(batch=b, error=f"cannot load: {type(e).__name__}: {e}",
+                                model=model_name))
             continue
-        send(CellResult(b, t.p50_ms, t.p95_ms, t.mean_ms, t.memory_mb, t.samples,
-                        units=slice_units))
-    send(ChildDone(name, units_total, unit_kind, slice_info, weights_mb, torch.__version__))
+        for b in batches:
+            try:
+                t = time_batch(model, shape, b, device, req.warmup, req.repeats, req.seed,
+                               method=req.timing if device == "cuda" else "eager",
+                               dtype=dtype, min_time_s=req.min_time_s,
+                               max_repeats=req.max_repeats or None)
+            except Exception as e:  # e.g. out of memory at a big batch: report, go on
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                send(CellResult(batch=b, error=f"{type(e).__name__}: {str(e)[:500]}",
+                                model=model_name if multi else ""))
+                continue
+            send(CellResult(b, t.p50_ms, t.p95_ms, t.mean_ms, t.memory_mb, t.samples,
+                            units=slice_units, model=model_name if multi else "",
+                            method=t.method))
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if multi:
+        slice_info = {**slice_info, "weights_mb": weights_mb}
+    send(ChildDone(name, units_total, unit_kind, slice_info,
+                   weights_mb.get(req.model, next(iter(weights_mb.values()), 0.0)),
+                   torch.__version__))
     return 0
 
 

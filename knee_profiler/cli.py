@@ -1,7 +1,8 @@
 """`knee-profiler` (also `python -m knee_profiler.cli`): a thin layer over the library.
 
-Subcommands: profile, show, plot, import-table. Exit status 0 on success, 1 on a profiler
-error (message on stderr, no traceback), 2 on bad arguments.
+Subcommands: profile, show, plot, import-table, trace (CUDA kernel tables), analytic.
+Exit status 0 on success, 1 on a profiler error (message on stderr, no traceback), 2 on bad
+arguments.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--start-mps", action="store_true",
                     help="cuda: run a private MPS control daemon for the sweep")
     pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                    help="cuda: time CUDA-graph replays (default; eager when capture fails) "
+                    "or eager forwards")
+    pr.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    pr.add_argument("--min-time", type=float, default=0.2, metavar="S",
+                    help="graph timing: take more replays until they span S seconds")
+    pr.add_argument("--max-repeats", type=int, default=200)
     pr.add_argument("--no-progress", action="store_true")
 
     sh = sub.add_parser("show", help="table of p50 per batch x %% and the knees")
@@ -86,6 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("files", nargs="+", type=Path, metavar="FILE")
     pl.add_argument("-o", "--output", type=Path, default=Path("knee.png"))
     pl.add_argument("--epsilon", type=float, default=None)
+
+    tr = sub.add_parser("trace", help="cuda: kernel tables (grid, block, registers, smem, "
+                        "duration) of one forward at 100%%, for `analytic`")
+    tr.add_argument("models", nargs="+", metavar="MODEL")
+    tr.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
+    tr.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    tr.add_argument("--out", type=Path, required=True, help="directory for <model>.json")
+
+    an = sub.add_parser("analytic", help="predict latency vs %% and the knee from a kernel "
+                        "table (no sweep); compare with a measured profile if there is one")
+    an.add_argument("models", nargs="+", metavar="MODEL")
+    an.add_argument("--traces", type=Path, required=True, help="directory of kernel tables")
+    an.add_argument("--batch-sizes", type=_ints, default=None, help="default: all traced")
+    an.add_argument("--percentages", type=parse_numbers, default=None)
+    an.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON)
+    an.add_argument("--profiles", type=Path, default=None,
+                    help="directory of measured profiles: use their %%->SM map and compare")
+    an.add_argument("--curves", action="store_true", help="print the predicted curves too")
 
     it = sub.add_parser("import-table", help="published latency table -> one profile per model")
     it.add_argument("table", type=Path, metavar="JSON")
@@ -110,7 +136,8 @@ def _cmd_profile(a: argparse.Namespace) -> int:
         models=tuple(a.models), device=a.device, batch_sizes=tuple(a.batch_sizes),
         percentages=tuple(pcts), out_dir=a.out, warmup=a.warmup, repeats=a.repeats,
         epsilon=a.epsilon, force=a.force, mechanism=a.mechanism, start_mps=a.start_mps,
-        seed=a.seed,
+        seed=a.seed, timing=a.timing, dtype=a.dtype, min_time_s=a.min_time,
+        max_repeats=a.max_repeats,
     )
     rep = sweep(cfg, progress=not a.no_progress)
     print(f"measured {rep.measured_cells} cells in {rep.children} processes, "
@@ -141,6 +168,52 @@ def _cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace(a: argparse.Namespace) -> int:
+    from knee_profiler.analytic import capture
+
+    cmd = "knee-profiler " + " ".join(sys.argv[1:]) if sys.argv else ""
+    for p in capture(a.models, a.batch_sizes, a.out, dtype=a.dtype, command=cmd):
+        print(f"wrote {p}")
+    return 0
+
+
+def _cmd_analytic(a: argparse.Namespace) -> int:
+    from knee_profiler.analytic import estimate, load_table, units_from_profile
+
+    pcts = a.percentages or [float(p) for p in range(10, 101, 10)]
+    for i, name in enumerate(a.models):
+        table = load_table(a.traces / f"{name}.json")
+        measured = None
+        if a.profiles is not None and (a.profiles / f"{name}.json").exists():
+            measured = load_profile(a.profiles / f"{name}.json")
+        sms_for = units_from_profile(measured) if measured else None
+        if i:
+            print()
+        print(f"{name} on {table.device_name} ({table.limits.sms} SMs): analytic knee at "
+              f"eps={a.epsilon:g}" + (" vs measured" if measured else ""))
+        print(f"{'batch':>6} {'kernels':>8} {'pred@100':>9} {'meas@100':>9} "
+              f"{'pred knee%':>10} {'meas knee%':>10}")
+        for b in a.batch_sizes or sorted(table.batches):
+            if b not in table.batches:
+                print(f"{b:>6} (not traced)")
+                continue
+            est = estimate(table.batches[b], table.limits, pcts, b,
+                           gap_ms=table.gap_ms(b), epsilon=a.epsilon, sms_for=sms_for)
+            mk, m100 = "-", "-"
+            if measured is not None and b in measured.batch_sizes:
+                from knee_profiler.knee import knee as _knee
+                from knee_profiler.report import curves
+
+                c = curves(measured)[b]
+                mk, m100 = f"{_knee(c, a.epsilon):g}", f"{c[100.0]:.3f}"
+            print(f"{b:>6} {est.kernels:>8} {est.curve[100.0]:>9.3f} {m100:>9} "
+                  f"{est.knee:>10g} {mk:>10}")
+            if a.curves:
+                print("       pred ms: " + " ".join(f"{p:g}%={v:.3f}"
+                                                    for p, v in est.curve.items()))
+    return 0
+
+
 def _cmd_import(a: argparse.Namespace) -> int:
     from knee_profiler.table import import_table
 
@@ -151,16 +224,18 @@ def _cmd_import(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    from knee_profiler.analytic import KernelTableError
     from knee_profiler.mps import MpsError
     from knee_profiler.slices import SliceError
     from knee_profiler.sweep import ProfilerError
     from knee_profiler.table import TableError
 
     cmds = {"profile": _cmd_profile, "show": _cmd_show, "plot": _cmd_plot,
-            "import-table": _cmd_import}
+            "import-table": _cmd_import, "trace": _cmd_trace, "analytic": _cmd_analytic}
     try:
         return cmds[a.cmd](a)
-    except (ProfileError, ProfilerError, SliceError, MpsError, TableError, ValueError) as e:
+    except (ProfileError, ProfilerError, SliceError, MpsError, TableError, KernelTableError,
+            ValueError) as e:
         print(f"knee-profiler: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `knee-profiler show ... | head`

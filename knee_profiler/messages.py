@@ -33,6 +33,19 @@ class MeasureRequest:
     repeats: int
     seed: int = 0
     slice_args: dict[str, Any] = field(default_factory=dict)  # mechanism-specific
+    # Several models in one child (one child per slice): {model: batch sizes}. Empty:
+    # just `model` at `batch_sizes`.
+    per_model: dict[str, list[int]] = field(default_factory=dict)
+    timing: str = "eager"  # "graph" | "eager" (see knee_profiler.timing)
+    dtype: str = "fp32"  # "fp32" | "fp16"
+    min_time_s: float = 0.0  # graph timing: take more samples until they span this long
+    max_repeats: int = 0  # ... but no more than this many (0: repeats)
+
+    def work(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(model, batch sizes) in the order the child measures them."""
+        if self.per_model:
+            return [(m, tuple(bs)) for m, bs in self.per_model.items()]
+        return [(self.model, self.batch_sizes)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -41,6 +54,8 @@ class MeasureRequest:
     def from_json(cls, text: str) -> MeasureRequest:
         d = json.loads(text)
         d["batch_sizes"] = tuple(int(b) for b in d["batch_sizes"])
+        if "per_model" in d:
+            d["per_model"] = {m: [int(b) for b in bs] for m, bs in d["per_model"].items()}
         return cls(**d)
 
 
@@ -56,6 +71,8 @@ class CellResult:
     samples: int = 0
     error: str = ""
     units: int | None = None  # cores / SMs the slice really had, as the child saw them
+    model: str = ""  # which model (multi-model children); "" = the request's `model`
+    method: str = ""  # how it was timed ("graph", "eager", ...)
     kind: MsgKind = MsgKind.CELL
 
 

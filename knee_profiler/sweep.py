@@ -49,6 +49,10 @@ class SweepConfig:
     start_mps: bool = False
     seed: int = 0
     child_timeout_s: float = 3600.0
+    timing: str = "graph"  # CUDA: "graph" (replays of a captured forward) | "eager"
+    dtype: str = "fp32"
+    min_time_s: float = 0.2  # graph timing: more samples for short forwards...
+    max_repeats: int = 200  # ... up to this many
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -59,6 +63,10 @@ class SweepConfig:
             raise ValueError(f"need repeats >= 1, warmup >= 0 (got {self.repeats}, {self.warmup})")
         if self.epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.timing not in ("graph", "eager"):
+            raise ValueError(f"timing must be graph or eager, got {self.timing!r}")
+        if self.dtype not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"dtype must be fp32, fp16 or bf16, got {self.dtype!r}")
 
 
 @dataclass
@@ -265,10 +273,15 @@ def sweep(
             mech.open()
             if device is None and todo[0][1].percent < 100:
                 device = _probe_device(cfg, mech, todo[0][0], child)
-        for model, s, need in todo:
-            bar.set_postfix_str(f"{model} @ {s.percent:g}%")
+        # One child per slice measures every model that needs it: one CUDA context and
+        # one MPS client per slice, children strictly one after another.
+        for sl in slices:
+            group = [(accs[m], need) for m, s2, need in todo if s2 is sl]
+            if not group:
+                continue
+            bar.set_postfix_str(f"{len(group)} models @ {sl.percent:g}%")
             device = _measure_slice(
-                accs[model], s, need, cfg, mech, device, percent_map, report, bar, child
+                group, sl, cfg, mech, device, percent_map, report, bar, child
             )
     finally:
         bar.close()
@@ -282,50 +295,66 @@ def sweep(
 
 
 def _measure_slice(
-    acc: _Acc, s: Slice, need: list[int], cfg: SweepConfig, mech: SliceMechanism,
+    group: list[tuple[_Acc, list[int]]], s: Slice, cfg: SweepConfig, mech: SliceMechanism,
     device: DeviceInfo | None, percent_map: dict[str, float], report: SweepReport,
     bar: Any, child: Sequence[str],
 ) -> DeviceInfo | None:
-    """One child measuring `need` batch sizes of one model in slice `s`; saves after every
-    cell. Returns the device, learnt from the child if it was not known yet."""
-    path = report.paths[acc.model]
-    if acc.device is None and device is not None:
-        acc.device = device
-    acc.epsilon = cfg.epsilon
-    acc.batch_sizes.update(need)
-    acc.percentages.add(s.percent)
-    _start_measured(acc, cfg, mech.name, percent_map)
+    """One child measuring the `need`ed batch sizes of each model in `group` in slice `s`;
+    saves after every cell. Returns the device, learnt from the child if not known yet."""
+    by_model = {acc.model: acc for acc, _ in group}
+    for acc, need in group:
+        if acc.device is None and device is not None:
+            acc.device = device
+        acc.epsilon = cfg.epsilon
+        acc.batch_sizes.update(need)
+        acc.percentages.add(s.percent)
+        _start_measured(acc, cfg, mech.name, percent_map)
+    first, need0 = group[0]
     req = MeasureRequest(
-        acc.model, cfg.device, mech.name, s.percent, s.units, tuple(need),
+        first.model, cfg.device, mech.name, s.percent, s.units, tuple(need0),
         cfg.warmup, cfg.repeats, cfg.seed, mech.slice_args(s),
+        per_model={acc.model: list(need) for acc, need in group} if len(group) > 1 else {},
+        timing=cfg.timing, dtype=cfg.dtype, min_time_s=cfg.min_time_s,
+        max_repeats=cfg.max_repeats,
     )
 
     def on_cell(r: CellResult) -> None:
         bar.update(1)
+        acc = by_model.get(r.model or first.model)
+        if acc is None:
+            return
         if r.error:
             acc.measured.setdefault("failed", {})[str(r.batch)] = f"at {s.percent:g}%: {r.error}"
             report.failed.append(f"{acc.model} batch {r.batch} at {s.percent:g}%: {r.error}")
             return
         report.measured_cells += 1
         _add_cell(acc, r, s)
+        if r.method:
+            methods = acc.measured.setdefault("timing_methods", {})
+            methods[r.method] = methods.get(r.method, 0) + 1
         if acc.device is not None:
-            acc.profile().save(path)
+            acc.profile().save(report.paths[acc.model])
 
     done = run_child(req, mech.child_env(s), on_cell, cfg.child_timeout_s, child)
     report.children += 1
     if device is None and done.units_total > 0:
         device = DeviceInfo(cfg.device, done.device_name, done.units_total, done.unit_kind)
     if device is None:
-        raise ProfilerError(f"{acc.model}: the child at {s.percent:g}% could not tell the "
+        raise ProfilerError(f"{first.model}: the child at {s.percent:g}% could not tell the "
                             "device's size; include 100 in --percentages")
-    if done.device_name != device.name:
-        raise ProfilerError(f"{path}: measured on {device.name}, the child ran on "
-                            f"{done.device_name}: use another --out or --force")
-    _check_device(acc, device, path)
-    acc.measured.setdefault("slices", {})[f"{s.percent:g}"] = done.slice_info
-    acc.measured["weights_mb"] = round(done.weights_mb, 3)
-    acc.measured["torch"] = done.torch_version
-    acc.profile().save(path)
+    info = dict(done.slice_info)
+    weights = info.pop("weights_mb", {})
+    for acc, _ in group:
+        path = report.paths[acc.model]
+        if done.device_name != device.name:
+            raise ProfilerError(f"{path}: measured on {device.name}, the child ran on "
+                                f"{done.device_name}: use another --out or --force")
+        _check_device(acc, device, path)
+        acc.measured.setdefault("slices", {})[f"{s.percent:g}"] = info
+        w = weights.get(acc.model, done.weights_mb) if isinstance(weights, dict) else 0.0
+        acc.measured["weights_mb"] = round(w, 3)
+        acc.measured["torch"] = done.torch_version
+        acc.profile().save(path)
     return device
 
 
@@ -362,7 +391,8 @@ def _start_measured(
         repeats=cfg.repeats,
         warmup=cfg.warmup,
         seed=cfg.seed,
-        timer="cuda-events" if cfg.device == "cuda" else "perf_counter_ns",
+        timer=_timer(cfg),
+        dtype=cfg.dtype,
         statistic="p50/p95 over repeats, per batch size and slice",
         memory=(
             "torch.cuda.max_memory_allocated (weights+inputs+activations)"
@@ -375,6 +405,19 @@ def _start_measured(
         host_loadavg_at_start=[round(x, 2) for x in os.getloadavg()],
     )
     m.setdefault("mechanism_detail", _mechanism_detail(mechanism))
+
+
+def _timer(cfg: SweepConfig) -> str:
+    if cfg.device != "cuda":
+        return "perf_counter_ns"
+    if cfg.timing == "graph":
+        return (
+            "cuda-graph-replay: forward captured once per batch size (torch.cuda.graph), "
+            "replays queued back to back with a CUDA event between each, one sync; "
+            f"at least {cfg.repeats} replays, more up to {cfg.max_repeats} until "
+            f"{cfg.min_time_s:g} s; eager fallback per cell in timing_methods"
+        )
+    return "cuda-events around each eager forward, synchronised after each"
 
 
 def _mechanism_detail(mechanism: str) -> str:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call: environment probe, knee sweep (MPS, CUDA-graph timing), kernel traces,
+# GPU tests, shadow-gap and transfer benches, green-context probe. Each step has its own
+# timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
+# usage: bash bench/bench_gpu_session.sh [STEPS]   (default: all; e.g. "sweep trace")
+set -u
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${1:-"probe sweep trace tests shadow transfer green"}
+SWEEP_S=${SWEEP_S:-300}
+MODELS="resnet50 vgg19 mobilenet_v3_large efficientnet_b0 densenet121 vit_b_16"
+BS=1,2,4,8,16,32,64
+SLUG=$(python3 -c "import re,torch;print(re.sub(r'[^a-z0-9]+','-',torch.cuda.get_device_name(0).lower()).strip('-'))")
+P=profiles/$SLUG; mkdir -p "$P" "$OUT/logs"
+echo "gpu slug: $SLUG" | tee "$OUT/summary.txt"
+step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+pack() { tar czf "$OUT/results.tgz" "$P" "$OUT/logs" 2>/dev/null; }
+if step probe; then
+  { nvidia-smi; which nvidia-cuda-mps-control; python3 -c "import torch;print(torch.__version__, torch.cuda.get_device_properties(0)); print('green_contexts', hasattr(torch.cuda,'green_contexts'))"; } > "$OUT/logs/probe.txt" 2>&1
+  tail -3 "$OUT/logs/probe.txt" >> "$OUT/summary.txt"
+fi
+if step sweep; then
+  t0=$(date +%s)
+  timeout "$SWEEP_S" python3 -m knee_profiler.cli profile $MODELS --device cuda --batch-sizes $BS \
+    --percentages 10,20,...,100 --start-mps --timing graph --repeats 20 --warmup 3 \
+    --min-time 0.1 --max-repeats 100 --out "$P" --no-progress > "$OUT/logs/sweep.txt" 2>&1
+  echo "sweep rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"; pack
+fi
+if step sweep16; then
+  t0=$(date +%s)
+  timeout "${SWEEP16_S:-200}" python3 -m knee_profiler.cli profile $MODELS --device cuda --batch-sizes $BS \
+    --percentages 10,20,...,100 --start-mps --timing graph --repeats 20 --warmup 3 --dtype fp16 \
+    --min-time 0.1 --max-repeats 100 --out "$P-fp16" --no-progress > "$OUT/logs/sweep16.txt" 2>&1
+  echo "sweep fp16 rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  tar czf "$OUT/results.tgz" "$P" "$P-fp16" "$OUT/logs" 2>/dev/null
+fi
+if step trace; then
+  timeout 90 python3 -m knee_profiler.cli trace $MODELS --batch-sizes $BS --out "$P/traces" \
+    > "$OUT/logs/trace.txt" 2>&1; echo "trace rc=$?" >> "$OUT/summary.txt"; pack
+fi
+if step tests; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_runtime_mps_gpu.py \
+    tests/integration/test_knee_profile_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/logs/tests.txt" 2>&1
+  echo "tests rc=$?: $(tail -1 "$OUT/logs/tests.txt")" >> "$OUT/summary.txt"; pack
+fi
+if step shadow; then
+  timeout 60 python3 bench/bench_gpu_shadow.py --repeat 1 > "$OUT/logs/shadow.txt" 2>&1
+  echo "shadow rc=$?" >> "$OUT/summary.txt"; grep '^{' "$OUT/logs/shadow.txt" >> "$OUT/summary.txt"; pack
+fi
+if step transfer; then
+  timeout 60 python3 bench/bench_gpu_transfer.py > "$OUT/logs/transfer.txt" 2>&1
+  echo "transfer rc=$?" >> "$OUT/summary.txt"; grep '^{' "$OUT/logs/transfer.txt" >> "$OUT/summary.txt"; pack
+fi
+if step green; then
+  timeout 40 python3 bench/bench_gpu_green.py > "$OUT/logs/green.txt" 2>&1
+  echo "green rc=$?" >> "$OUT/summary.txt"; tail -c 1500 "$OUT/logs/green.txt" >> "$OUT/summary.txt"; pack
+fi
+pack
+for f in "$P"/*.json; do python3 -m knee_profiler.cli show "$f" 2>&1 | awk '{print $1, $(NF-3)}' | tr '\n' ' '; echo; done >> "$OUT/summary.txt"
+cat "$OUT/summary.txt"
