@@ -364,28 +364,37 @@ class DStackPolicy:
             base = self.origin + k * self._cycle_s
             if base + self._hi_s + _MARGIN_S <= now or base + self._lo_s - _MARGIN_S > now:
                 continue  # no slot of cycle k contains `now`
-            # The slots of cycle k containing `now`, not yet decided, in slot order.
+            # The slots of cycle k containing `now`, in slot order.
             hits = []
             for s in self._by_start:
                 start = base + s.start_s
                 if start > t:
                     break  # sorted by start: every later one starts later still
-                if t < start + s.dur_s and (s.index, k) not in occ:
+                if t < start + s.dur_s:
                     hits.append(s)
             if len(hits) > 1:
                 hits.sort(key=_slot_index)
             for s in hits:
+                key = (s.index, k)
+                state = occ.get(key)
                 q = queues[s.model]
                 if q.items == 0:
-                    self._occ[(s.index, k)] = "forfeited"
+                    if state is None:
+                        occ[key] = "forfeited"
                     continue
-                if q.running:
-                    continue  # its own reuse batch is finishing; retry when it ends
+                if q.running or s.model in self._busy:
+                    continue  # its batch is running; look again when it ends
                 n = min(q.items, self._batch[s.model])
-                self._occ[(s.index, k)] = "used"
+                end = now + self._estimate(s.model, n)
+                # Later in its own slot (work arrived after the start, or the first batch
+                # ended early): another batch, if it ends within the slot and fits beside
+                # what is running (a reuse batch may hold a forfeited slot's capacity).
+                if state is not None and (end > base + s.start_s + s.dur_s + 1e-9
+                                          or not self._room_beside_busy(s, now)):
+                    continue
+                occ[key] = "used"
                 launches.append(Launch(s.model, n))
-                self._busy[s.model] = _Busy(s.model, now + self._estimate(s.model, n),
-                                            s.percent, s.units)
+                self._busy[s.model] = _Busy(s.model, end, s.percent, s.units)
         # 2. Reuse of idle capacity.
         if self.reuse_idle:
             busy = self._busy
@@ -402,6 +411,15 @@ class DStackPolicy:
         if len(self._occ) > 4 * len(self._slots):
             self._occ = {key: v for key, v in self._occ.items() if key[1] >= k_now - 1}
         return Decision(tuple(launches), self._next_start(now, k_now))
+
+    def _room_beside_busy(self, s: _SlotT, now: float) -> bool:
+        load = s.percent
+        for b in self._busy.values():
+            if b.model != s.model and b.until > now:
+                load += b.percent
+                if s.units & b.units:
+                    return False
+        return load <= 100.0 + 1e-9
 
     def _next_start(self, now: float, k_now: int) -> float | None:
         # The earliest slot start after `now` in cycles k_now and k_now + 1 (as

@@ -113,7 +113,10 @@ def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
     # estimate(1) and SLO - estimate(1) per model, the admission and doom tests: kept here
     # and refreshed when the model's latency estimate learns (after each of its batches),
     # which is the only time they change.
-    one = [e.estimate_s(1) if e is not None else 0.0 for e in est]
+    # As in the runtime, an estimate refuses nothing until it is trusted (a few observed
+    # batches); the runtime's stale-estimate probe is not modelled (the simulated batches
+    # always run at the profile's latency, so an estimate cannot stay too slow).
+    one = [e.estimate_s(1) if e is not None and e.trusted else 0.0 for e in est]
     limits = [slo[j] - one[j] for j in range(n_models)]
 
     queues: list[deque[float]] = [deque() for _ in models]  # arrival times
@@ -197,7 +200,7 @@ def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
             # Refuse, rather than serve late, the heads the batch would finish after
             # their deadline (Runtime._launch).
             e = est[j]
-            if e is not None:
+            if e is not None and e.trusted:
                 while k and q[0] + slo[j] < now + e.estimate_s(k):
                     q.popleft()
                     queued -= 1
@@ -255,7 +258,7 @@ def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
             e = est[j]
             if e is not None:
                 e.observe(k, compute_s)
-                one[j] = e.estimate_s(1)
+                one[j] = e.estimate_s(1) if e.trusted else 0.0
                 limits[j] = slo[j] - one[j]
             done_cb(names[j], k, compute_s, now)
             reschedule()

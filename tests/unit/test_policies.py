@@ -170,6 +170,21 @@ def test_dstack_reuse_fits_beside_a_running_slot_when_there_is_room() -> None:
     assert d.launches == (Launch(B, 1, reuse=True),)
 
 
+def test_dstack_runs_again_in_its_own_slot_while_the_batch_still_fits() -> None:
+    plan = Plan((ModelPlan(A, 8, 100, 20.0, 400.0, 100.0, 100.0, 100.0),
+                 ModelPlan(B, 8, 100, 20.0, 400.0, 100.0, 100.0, 100.0, offset_ms=20.0)),
+                40.0, 200.0, SolverStatus.OPTIMAL)
+    sched = Schedule(40.0, (Slot(A, 0.0, 20.0, 100.0), Slot(B, 20.0, 20.0, 100.0)))
+    pol = dstack_policy(plan, sched)  # every batch estimated at 8 ms
+    # nothing queued at A's slot start: forfeited, but A's own work may still use it
+    assert pol.decide(0.0, {A: q(A), B: q(B)}).launches == ()
+    assert pol.decide(0.002, {A: q(A, 3, 0.002), B: q(B)}).launches == (Launch(A, 3),)
+    assert pol.decide(0.011, {A: q(A, 2, 0.004), B: q(B)}).launches == (Launch(A, 2),)
+    # at 13 ms an 8 ms batch would spill past the slot's end at 20 ms: wait for next cycle
+    d = pol.decide(0.013, {A: q(A, 2, 0.012), B: q(B)})
+    assert d.launches == () and d.wake_at == pytest.approx(0.020)
+
+
 def _check_capacity(pol: DStackPolicy, seed: int) -> None:
     """Drive the policy with random arrivals on a fake clock; at every instant the slices
     of the batches running must sum to <= 100% and use disjoint units."""
