@@ -255,6 +255,8 @@ def _slot_index(s: _SlotT) -> int:
 # Slack for skipping whole cycles or slots by bounds: far above the rounding of sums of a
 # few seconds-scale floats, far below any slot length.
 _MARGIN_S = 1e-6
+# A first look at a slot later than this after its start is no longer "at the start".
+_LATE_S = 1e-3
 
 
 @dataclass
@@ -284,11 +286,14 @@ class DStackPolicy:
 
     Time is cut into cycles of `schedule.cycle_ms` starting at `origin`. Each slot
     occurrence belongs to its model: when it starts, the model launches up to its planned
-    batch. A slot whose model had nothing queued when it began is *forfeited* for that
-    cycle: its capacity is idle. A model with queued work may then run outside its own
-    slot (reuse) if, for the whole predicted run, its slice fits beside every slot that
-    is not forfeited and every batch already running (<= 100% and disjoint units), and
-    it finishes before its own next slot, so no model is pushed past its bound.
+    batch, and later in the slot another batch if it still ends within the slot. A slot
+    whose model had nothing queued when it began is *forfeited* for that cycle: its
+    capacity is idle. A model with queued work may also run outside its own slot (reuse)
+    if, for the whole predicted run, its slice fits beside every other model's slot that
+    is not idle and every batch already running (<= 100% and disjoint units): no other
+    model loses any of its slot, so none is pushed past its bound. (A model whose slice
+    no other slot shares thus runs whenever it has work, as under `spatial`, with its
+    planned batch.)
     """
 
     models: dict[str, ModelParams]
@@ -386,11 +391,13 @@ class DStackPolicy:
                     continue  # its batch is running; look again when it ends
                 n = min(q.items, self._batch[s.model])
                 end = now + self._estimate(s.model, n)
-                # Later in its own slot (work arrived after the start, or the first batch
-                # ended early): another batch, if it ends within the slot and fits beside
+                # At the slot's start its planned batch goes. Later in the slot (work
+                # arrived after the start, an earlier batch ended, or its own reuse batch
+                # ran into the start): a batch if it ends within the slot and fits beside
                 # what is running (a reuse batch may hold a forfeited slot's capacity).
-                if state is not None and (end > base + s.start_s + s.dur_s + 1e-9
-                                          or not self._room_beside_busy(s, now)):
+                late = state is not None or now > base + s.start_s + _LATE_S
+                if late and (end > base + s.start_s + s.dur_s + 1e-9
+                             or not self._room_beside_busy(s, now)):
                     continue
                 occ[key] = "used"
                 launches.append(Launch(s.model, n))
@@ -405,6 +412,7 @@ class DStackPolicy:
                 end = now + self._estimate(m, n)
                 if self._fits(m, now, end, k_now):
                     mine = self._own[m]
+                    self._claim_own(m, now, end, k_now)
                     launches.append(Launch(m, n, reuse=True))
                     self._busy[m] = _Busy(m, end, mine.percent, mine.units)
         # 3. Wake at the next slot start; forget occurrences older than the last cycle.
@@ -453,100 +461,60 @@ class DStackPolicy:
                     best = start
         return best
 
-    def _fits(self, model: str, t0: float, t1: float, k_now: int) -> bool:
-        """May `model` run on its own slice during [t0, t1] outside its slot?
+    def _overlapping(self, lo: float, hi: float, k_now: int):  # noqa: ANN202 - generator
+        """(cycle k, slot, its start) for every slot occurrence overlapping (lo, hi)."""
+        origin, cycle_s, starts = self.origin, self._cycle_s, self._starts
+        k_lo = max(k_now - 1, math.floor((lo - origin - self._hi_s) / cycle_s) - 1)
+        k_hi = math.floor((hi - origin - self._lo_s) / cycle_s) + 1
+        for k in range(k_lo, k_hi + 1):
+            base = origin + k * cycle_s
+            if base + self._hi_s + _MARGIN_S <= lo or base + self._lo_s - _MARGIN_S >= hi:
+                continue
+            # Slots starting before lo - the longest duration end before lo: skip them.
+            i = bisect.bisect_left(starts, lo - base - self._max_dur_s - _MARGIN_S)
+            for s in self._by_start[i:]:
+                start = base + s.start_s
+                if start >= hi:
+                    break  # sorted by start: every later slot starts later still
+                if start + s.dur_s > lo:
+                    yield k, s, start
 
-        The answer of `_fits_reference` (the plain scan over every slot of every cycle
-        the run may touch), found faster: whole cycles outside [t0, t1] are skipped and,
-        within a cycle, slots in start order up to the first one starting after t1. The
-        answer is a conjunction that does not depend on the scan order, except for the
-        float sum of the load: when that lands within a hair of 100%, the reference
-        decides, so the result is the same bit for bit.
+    def _fits(self, model: str, t0: float, t1: float, k_now: int) -> bool:
+        """May `model` run on its own slice during [t0, t1] beside the schedule?
+
+        Its own slots are its capacity anyway. Every other slot occurrence overlapping the
+        run counts against it unless it is idle (forfeited before t0, or used and its batch
+        over), and so does every batch running now: together <= 100% and disjoint units.
         """
         mine = self._own[model]
         load = mine.percent
         units = mine.units
-        k_last = k_now + 1 + math.ceil((t1 - t0) / self._cycle_s)
+        occ, busy = self._occ, self._busy
         lo0 = t0 + 1e-9
-        hi1 = t1 - 1e-9
-        starts = self._starts
-        by_start = self._by_start
-        occ = self._occ
-        busy = self._busy
-        origin, cycle_s = self.origin, self._cycle_s
-        # Only cycles whose slots can reach into [t0, t1] (one more each side for rounding;
-        # the bounds test below is the one that counts).
-        k_lo = max(k_now - 1, math.floor((lo0 - origin - self._hi_s) / cycle_s) - 1)
-        k_hi = min(k_last, math.floor((hi1 - origin - self._lo_s) / cycle_s) + 1)
-        ks = []
-        for k in range(k_lo, k_hi + 1):
-            base = origin + k * cycle_s
-            if base + self._hi_s + _MARGIN_S <= lo0 or base + self._lo_s - _MARGIN_S >= hi1:
+        for k, s, start in self._overlapping(lo0, t1 - 1e-9, k_now):
+            if s.model == model:
                 continue
-            ks.append(k)
-        # Its own slots first: running into one is the commonest "no".
-        for s in self._own_slots[model]:
-            for k in ks:
-                start = origin + k * cycle_s + s.start_s
-                if start < hi1 and start + s.dur_s > lo0:
-                    return False
-        for k in ks:
-            base = origin + k * cycle_s
-            # Slots starting before lo0 - max duration end before t0: skip them.
-            i = bisect.bisect_left(starts, lo0 - base - self._max_dur_s - _MARGIN_S)
-            for s in by_start[i:]:
-                start = base + s.start_s
-                if start >= hi1:
-                    break  # every later slot starts later still
-                if start + s.dur_s <= lo0:
-                    continue
-                if s.model == model:
-                    return False  # would run into its own slot: wait for it instead
-                state = occ.get((s.index, k))
-                if state == "forfeited" and start <= lo0:
-                    continue
-                if state == "used" and s.model not in busy:
-                    continue  # its batch already ended: the rest of the slot is idle
-                load += s.percent
-                if units & s.units:
-                    return False
+            state = occ.get((s.index, k))
+            if state == "forfeited" and start <= lo0:
+                continue
+            if state == "used" and s.model not in busy:
+                continue  # its batch already ended: the rest of the slot is idle
+            load += s.percent
+            if units & s.units:
+                return False
         for b in busy.values():
             if b.model != model and b.until > t0:
                 load += b.percent
                 if units & b.units:
                     return False
-        if abs(load - 100.0) < 1e-6:
-            return self._fits_reference(model, t0, t1, k_now)
         return load <= 100.0 + 1e-9
 
-    def _fits_reference(self, model: str, t0: float, t1: float, k_now: int) -> bool:
-        """The plain scan `_fits` must agree with (the definition; used near 100%)."""
-        mine = self._own[model]
-        load = mine.percent
-        units = mine.units
-        k_last = k_now + 1 + math.ceil((t1 - t0) / self._cycle_s)
-        for k in range(k_now - 1, k_last + 1):
-            base = self.origin + k * self._cycle_s
-            for s in self._slots:
-                start = base + s.start_s
-                if start + s.dur_s <= t0 + 1e-9 or start >= t1 - 1e-9:
-                    continue
-                if s.model == model:
-                    return False
-                state = self._occ.get((s.index, k))
-                if state == "forfeited" and start <= t0 + 1e-9:
-                    continue
-                if state == "used" and s.model not in self._busy:
-                    continue
-                load += s.percent
-                if units & s.units:
-                    return False
-        for b in self._busy.values():
-            if b.model != model and b.until > t0:
-                load += b.percent
-                if units & b.units:
-                    return False
-        return load <= 100.0 + 1e-9
+    def _claim_own(self, model: str, t0: float, t1: float, k_now: int) -> None:
+        """A batch outside the slot start runs into its own slot occurrences: they are used
+        (so they do not launch a second time as if fresh)."""
+        for k, s, _ in self._overlapping(t0 + 1e-9, t1 - 1e-9, k_now):
+            if s.model == model:
+                self._occ.setdefault((s.index, k), "used")
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
         self._busy.pop(model, None)

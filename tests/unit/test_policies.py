@@ -149,14 +149,21 @@ def test_dstack_runs_each_model_in_its_slot_with_its_planned_batch() -> None:
 
 def test_dstack_reuses_a_forfeited_slot_but_never_its_neighbours_busy_one() -> None:
     pol = dstack_policy(*two_shelf())
-    # A has nothing at its slot's start: the slot is forfeited, B may use it if it ends
-    # (8 ms) before its own slot at 10 ms.
+    # A has nothing at its slot's start: the slot is forfeited, B may use it.
     d = pol.decide(0.0, {A: q(A), B: q(B, 3)})
     assert d.launches == (Launch(B, 2, reuse=True),)
-    # but at 5 ms B would run into its own slot: it waits for it
+    # At 5 ms B's batch (8 ms) runs on into its own slot at 10 ms: that is its own
+    # capacity, and the occurrence counts as used: no second launch at 10 ms while the
+    # batch runs. At 13 ms an 8 ms batch ends past its slot (20 ms) but before A's next
+    # one (25 ms): idle time, so it goes as reuse; at 20.5 ms it would run into A's slot.
     pol2 = dstack_policy(*two_shelf())
     pol2.decide(0.0, {A: q(A), B: q(B)})
-    assert pol2.decide(0.005, {A: q(A), B: q(B, 3, arrival=0.005)}).launches == ()
+    assert pol2.decide(0.005, {A: q(A), B: q(B, 3, arrival=0.005)}).launches == (
+        Launch(B, 2, reuse=True),)
+    assert pol2.decide(0.010, {A: q(A), B: q(B, 1, 0.006, running=True)}).launches == ()
+    assert pol2.decide(0.013, {A: q(A), B: q(B, 1, 0.006)}).launches == (
+        Launch(B, 1, reuse=True),)
+    assert pol2.decide(0.0125 + 0.008, {A: q(A), B: q(B, 1, 0.014)}).launches == ()
     # A's slot in use: B may not squeeze in beside a 100% slot
     pol3 = dstack_policy(*two_shelf())
     assert pol3.decide(0.0, {A: q(A, 1), B: q(B, 3)}).launches == (Launch(A, 1),)
