@@ -6,6 +6,7 @@ from pathlib import Path
 
 from dstack.types import Plan, Schedule
 from optimizer.packing import pack
+from optimizer.solve import rate_pair
 
 
 def format_plan(plan: Plan) -> str:
@@ -16,7 +17,7 @@ def format_plan(plan: Plan) -> str:
     )
     lines = [head, "-" * len(head)]
     for m in plan.models:
-        rate = f"{m.served_rps:.0f} / {m.expected_rps:.0f}"
+        rate = " / ".join(rate_pair(m.served_rps, m.expected_rps))
         lines.append(
             f"{m.model:20s} {m.batch:5d} {m.percent:6g} {m.latency_ms:6.1f} ms "
             f"{m.offset_ms:5.1f} ms {rate:>21s} {m.slo_ms:5g} ms"

@@ -39,6 +39,15 @@ def _rps(x: float) -> str:
     return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
+def rate_pair(served: float, expected: float) -> tuple[str, str]:
+    """Two rates for people: whole numbers, unless rounding would make a shortfall look
+    like none (23.7 of 24 shown as "24 of 24"); then one decimal."""
+    a, b = _rps(served), _rps(expected)
+    if a == b and served != expected:
+        a, b = f"{served:.1f}", f"{expected:.1f}"
+    return a, b
+
+
 def solve(
     profiles: Mapping[str, Profile],
     slos: Sequence[ModelSLO],
@@ -138,12 +147,9 @@ def solve(
     for mp, m in zip(model_plans, [m for m, c in zip(alive, picks, strict=True) if c], strict=True):
         if mp.served_rps < mp.expected_rps * (1 - 1e-6):
             note = "" if m.rate_known else " (rate unknown: assumed its batch-1 capacity)"
+            served, expected = rate_pair(mp.served_rps, mp.expected_rps)
             shortfalls.append(
-                Shortfall(
-                    mp.model,
-                    f"{mp.model}: serves {_rps(mp.served_rps)} rps of "
-                    f"{_rps(mp.expected_rps)} expected{note}",
-                )
+                Shortfall(mp.model, f"{mp.model}: serves {served} rps of {expected} expected{note}")
             )
     if infeasible:
         status = SolverStatus.INFEASIBLE
