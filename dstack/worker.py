@@ -118,9 +118,9 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
             a[...] = 0
         for b in {1, warm_b, cfg.layout.max_batch}:
             timed(b)
-        # Minimum of several runs: on a busy machine one run can be many times too slow,
-        # and a batch-1 estimate above the SLO refuses every request, so no batch ever
-        # runs to correct it.
+        # Minimum of several runs: on a busy machine one run can be many times too slow.
+        # These two points only seed the dispatcher's latency model, which refuses nothing
+        # until real batches have confirmed it (LinearLatency.trusted).
         ms1 = min(timed(1) for _ in range(5))
         ms_max = min(timed(cfg.layout.max_batch) for _ in range(3))
         conn.send(Ready(os.getpid(), ms1, ms_max, cfg.layout.max_batch))
