@@ -431,7 +431,7 @@ class DStackPolicy:
 
     def _next_start(self, now: float, k_now: int) -> float | None:
         # The earliest slot start after `now` in cycles k_now and k_now + 1 (as
-        # `_next_start_reference`): base + offset is monotonic in the offset, so in each
+        # the plain scan in the tests): base + offset is monotonic in the offset, so in each
         # cycle the sorted offsets give sorted starts and a bisection finds the first.
         t = now + 1e-9
         best: float | None = None
@@ -449,17 +449,6 @@ class DStackPolicy:
         while i < len(starts) and base + starts[i] <= t:
             i += 1
         return base + starts[i] if i < len(starts) else None
-
-    def _next_start_reference(self, now: float, k_now: int) -> float | None:
-        """The plain scan `_next_start` must agree with (kept for the tests)."""
-        best: float | None = None
-        for k in (k_now, k_now + 1):
-            base = self.origin + k * self._cycle_s
-            for s in self._slots:
-                start = base + s.start_s
-                if start > now + 1e-9 and (best is None or start < best):
-                    best = start
-        return best
 
     def _overlapping(self, lo: float, hi: float, k_now: int):  # noqa: ANN202 - generator
         """(cycle k, slot, its start) for every slot occurrence overlapping (lo, hi)."""

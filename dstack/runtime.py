@@ -47,7 +47,6 @@ class Request:
     arrival: float
     deadline: float
     future: asyncio.Future[dict[str, np.ndarray]]
-    started: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,21 +346,17 @@ class Runtime:
         now = time.monotonic()
         self.rates.record(model, now)
         if st.items + n > st.cfg.max_queue:
-            st.counters.refused += 1
-            st.counters.failure += 1
-            raise Overloaded(
+            raise _refused(st, Overloaded(
                 f"model {model}: queue is full ({st.items} items waiting, max_queue "
                 f"{st.cfg.max_queue}); retry later"
-            )
+            ))
         deadline = now + st.cfg.slo_ms / 1000
         est = self._refusal_estimate(model, now)
         if est is not None and now + est.estimate_s(n) > deadline:
-            st.counters.refused += 1
-            st.counters.failure += 1
-            raise DeadlineRefused(
+            raise _refused(st, DeadlineRefused(
                 f"model {model}: a batch of {n} takes about {est.estimate_s(n) * 1000:.1f} ms, "
                 f"over its SLO of {st.cfg.slo_ms:g} ms"
-            )
+            ))
         fut: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
         req = Request(model, inputs, n, now, deadline, fut)
         st.queue.append(req)  # one SLO per model: FIFO order is earliest-deadline order
@@ -404,12 +399,10 @@ class Runtime:
             while st.queue and st.queue[0].deadline - run_s < now:
                 r = st.queue.popleft()
                 st.items -= r.n
-                st.counters.refused += 1
-                st.counters.failure += 1
-                _fail(r, DeadlineRefused(
+                _fail(r, _refused(st, DeadlineRefused(
                     f"model {name}: request waited {1000 * (now - r.arrival):.1f} ms and can no "
                     f"longer be answered within its SLO of {st.cfg.slo_ms:g} ms"
-                ))
+                )))
             if st.queue:
                 t = st.queue[0].deadline - run_s
                 nxt = t if nxt is None else min(nxt, t)
@@ -466,12 +459,10 @@ class Runtime:
         while batch and est is not None and batch[0].deadline < now + est.estimate_s(taken):
             r = batch.pop(0)
             taken -= r.n
-            st.counters.refused += 1
-            st.counters.failure += 1
-            _fail(r, DeadlineRefused(
+            _fail(r, _refused(st, DeadlineRefused(
                 f"model {model}: request waited {1000 * (now - r.arrival):.1f} ms; the next batch "
                 f"would answer it after its SLO of {st.cfg.slo_ms:g} ms"
-            ))
+            )))
         if not batch:
             return
         st.running = True
@@ -600,6 +591,13 @@ class Runtime:
             for st in self.models.values():
                 st.held = False
             self._replanning = False
+
+
+def _refused(st: _ModelState, err: DStackError) -> DStackError:
+    """Count a refusal (queue full or SLO out of reach) against the model; returns `err`."""
+    st.counters.refused += 1
+    st.counters.failure += 1
+    return err
 
 
 def _fail(r: Request, err: Exception) -> None:
