@@ -31,6 +31,7 @@ class Server:
     url: str  # host:port, as tritonclient wants it
     proc: subprocess.Popen[bytes]
     log: Path
+    config: Path
 
     def get(self, path: str) -> int:
         try:
@@ -53,7 +54,7 @@ def start_server(cfg: dict, tmp_path: Path, timeout_s: float = 180) -> Server:
         cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,  # its workers share its process group: stopped together
     )
-    srv = Server(f"127.0.0.1:{port}", proc, log)
+    srv = Server(f"127.0.0.1:{port}", proc, log, cfg_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
