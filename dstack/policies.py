@@ -255,8 +255,6 @@ def _slot_index(s: _SlotT) -> int:
 # Slack for skipping whole cycles or slots by bounds: far above the rounding of sums of a
 # few seconds-scale floats, far below any slot length.
 _MARGIN_S = 1e-6
-# A first look at a slot later than this after its start is no longer "at the start".
-_LATE_S = 1e-3
 
 
 @dataclass
@@ -395,9 +393,11 @@ class DStackPolicy:
                 # arrived after the start, an earlier batch ended, or its own reuse batch
                 # ran into the start): a batch if it ends within the slot and fits beside
                 # what is running (a reuse batch may hold a forfeited slot's capacity).
-                late = state is not None or now > base + s.start_s + _LATE_S
-                if late and (end > base + s.start_s + s.dur_s + 1e-9
-                             or not self._room_beside_busy(s, now)):
+                # (A first look may come late, the dispatcher being busy: it still takes
+                # the planned batch. An occurrence its own reuse batch ran into is already
+                # marked used by `_claim_own`.)
+                if state is not None and (end > base + s.start_s + s.dur_s + 1e-9
+                                          or not self._room_beside_busy(s, now)):
                     continue
                 occ[key] = "used"
                 launches.append(Launch(s.model, n))

@@ -177,6 +177,14 @@ def test_dstack_reuse_fits_beside_a_running_slot_when_there_is_room() -> None:
     assert d.launches == (Launch(B, 1, reuse=True),)
 
 
+def test_dstack_first_look_at_a_slot_launches_even_when_the_dispatcher_is_late() -> None:
+    pol = dstack_policy(*two_shelf())
+    pol.decide(0.0, {A: q(A), B: q(B)})
+    # B's slot began at 10 ms; the dispatcher only gets to it at 13 ms: its planned batch
+    # still goes, although by the estimate it ends 3 ms after the slot.
+    assert pol.decide(0.013, {A: q(A), B: q(B, 5)}).launches == (Launch(B, 2),)
+
+
 def test_dstack_runs_again_in_its_own_slot_while_the_batch_still_fits() -> None:
     plan = Plan((ModelPlan(A, 8, 100, 20.0, 400.0, 100.0, 100.0, 100.0),
                  ModelPlan(B, 8, 100, 20.0, 400.0, 100.0, 100.0, 100.0, offset_ms=20.0)),
