@@ -30,6 +30,7 @@ from dstack.errors import (
     Unavailable,
 )
 from dstack.latency import LinearLatency
+from dstack.messages import BatchDone
 from dstack.planning import PolicySetup, setup_policy
 from dstack.policies import Policy, QueueView
 from dstack.slices import CpuSlices, MpsSlices, SliceBackend, SliceSpec
@@ -466,21 +467,27 @@ class Runtime:
         if not batch:
             return
         st.running = True
-        self._spawn(self._run_batch(st, batch, taken, reuse))
-
-    async def _run_batch(self, st: _ModelState, batch: list[Request], n: int,
-                         reuse: bool) -> None:
         worker = st.worker
-        assert worker is not None
-        started = time.monotonic()
+        # Inputs copied and the batch sent here, in the dispatcher, before the responses
+        # of the batch that just ended are written: the worker starts without waiting.
+        fut: asyncio.Future[BatchDone]
         try:
-            ins = worker.arena.inputs(n)
-            for name, dst in ins.items():
+            for name, dst in worker.arena.inputs(taken).items():
                 np.concatenate([r.inputs[name] for r in batch], axis=0, out=dst)
-            done = await worker.run(n)
+            fut = worker.submit(taken)
+        except Exception as e:  # noqa: BLE001 - failed like a batch (in _run_batch)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(e)
+        self._spawn(self._run_batch(st, worker, batch, taken, reuse, fut, now))
+
+    async def _run_batch(self, st: _ModelState, worker: WorkerHandle, batch: list[Request],
+                         n: int, reuse: bool, fut: asyncio.Future[BatchDone],
+                         started: float) -> None:
+        try:
+            done = await fut
             outs = worker.arena.outputs(n)
             results = {k: v.copy() for k, v in outs.items()}  # leave the arena to the worker
-            del ins, outs
+            del outs
         except asyncio.CancelledError:
             for r in batch:
                 _fail(r, Unavailable("server is shutting down"))

@@ -249,8 +249,10 @@ class WorkerHandle:
             for cb in self.on_death:
                 cb(self)
 
-    async def run(self, n: int) -> BatchDone:
-        """Run the n items already written to the arena's inputs."""
+    def submit(self, n: int) -> asyncio.Future[BatchDone]:
+        """Start the n items already written to the arena's inputs; the future holds the
+        outcome. Sent at once, not from a task: the worker must not wait for the event
+        loop to get round to it (it would idle while responses are written)."""
         if self.state is not WorkerState.READY or self.busy:
             raise BackendError(f"worker for {self.cfg.model} cannot take a batch ({self.state})")
         assert self._loop is not None
@@ -262,7 +264,7 @@ class WorkerHandle:
             self._conn.send(RunBatch(self._batch_id, n))
         except (BrokenPipeError, OSError):
             self._on_eof()
-        return await fut
+        return fut
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit, then make sure it did; frees the arena."""
