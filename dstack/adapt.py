@@ -45,7 +45,10 @@ class ReplanTrigger:
 
     A model drifts when |measured - planned| > drift * max(planned, floor_rps). A re-plan
     happens only after `confirm` consecutive drifting samples (a single burst does not
-    flap the plan) and at least `hold_s` after the previous plan.
+    flap the plan) and at least `hold_s` after the previous plan. When every drifting rate
+    fell, the re-plan also waits until they have drifted for `down_hold_s` (scale-down
+    stabilisation, as in Kubernetes' autoscaler): a plan for a lull gives the models smaller
+    slices, and under closed-loop load a smaller slice caps the very rate that is measured.
     """
 
     planned_rates: dict[str, float]
@@ -53,8 +56,10 @@ class ReplanTrigger:
     hold_s: float = 5.0
     confirm: int = 2
     floor_rps: float = 1.0
+    down_hold_s: float = 60.0
     _last_plan: float | None = None
     _streak: int = 0
+    _down_since: float | None = None
 
     def drifting(self, rates: dict[str, float]) -> list[str]:
         out = []
@@ -67,11 +72,20 @@ class ReplanTrigger:
     def should_replan(self, now: float, rates: dict[str, float]) -> bool:
         if self._last_plan is None:
             self._last_plan = now
-        self._streak = self._streak + 1 if self.drifting(rates) else 0
-        return self._streak >= self.confirm and now - self._last_plan >= self.hold_s
+        drifting = self.drifting(rates)
+        self._streak = self._streak + 1 if drifting else 0
+        up = any(rates[m] > self.planned_rates.get(m, 0.0) for m in drifting)
+        if not drifting or up:
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = now
+        if self._streak < self.confirm or now - self._last_plan < self.hold_s:
+            return False
+        return self._down_since is None or now - self._down_since >= self.down_hold_s
 
     def planned(self, now: float, rates: dict[str, float]) -> None:
         """Record that a plan for `rates` took effect at `now`."""
         self.planned_rates = dict(rates)
         self._last_plan = now
         self._streak = 0
+        self._down_since = None

@@ -103,6 +103,9 @@ class AdaptConfig(_Strict):
     """Re-plan when a rate moves by more than this fraction from the planned one."""
     hold_s: Annotated[float, Field(ge=0)] = 5.0
     """Hysteresis: after a re-plan, wait at least this long before another."""
+    down_hold_s: Annotated[float, Field(ge=0)] = 60.0
+    """Re-plan for lower rates only once they have stayed low this long (a lull must not
+    take slices away from the next burst)."""
 
 
 class DeployConfig(_Strict):

@@ -190,6 +190,7 @@ class Runtime:
             self.trigger = ReplanTrigger(
                 {m.name: m.rate_rps for m in self.cfg.models},
                 drift=self.cfg.adapt.drift, hold_s=self.cfg.adapt.hold_s,
+                down_hold_s=self.cfg.adapt.down_hold_s,
             )
             self._adapter = asyncio.create_task(self._adapt_loop(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")

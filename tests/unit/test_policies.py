@@ -259,3 +259,21 @@ def test_replan_needs_persistent_drift_and_respects_the_hold_time() -> None:
     # the new plan is the reference now: the same rate no longer drifts
     assert not t.should_replan(11.0, {A: 21.0})
     assert not t.should_replan(12.0, {A: 22.0})
+
+
+def test_a_lull_replans_only_after_down_hold_but_a_rise_at_once() -> None:
+    t = ReplanTrigger({A: 10.0, B: 10.0}, drift=0.25, hold_s=5.0, confirm=2, down_hold_s=30.0)
+    t.should_replan(0.0, {A: 10.0, B: 10.0})
+    # Both fall: confirmed and past the hold time at 10 s, but a lull shorter than 30 s
+    # keeps the plan (and its slices) for the next burst.
+    assert not any(t.should_replan(s, {A: 2.0, B: 10.0}) for s in range(6, 35))
+    assert t.should_replan(36.0, {A: 2.0, B: 10.0})  # low since 6 s: 30 s of it
+    t.planned(36.0, {A: 2.0, B: 10.0})
+    # A lull that ends starts the count again.
+    assert not t.should_replan(42.0, {A: 2.0, B: 5.0})
+    assert not t.should_replan(43.0, {A: 2.0, B: 10.0})
+    assert not t.should_replan(44.0, {A: 2.0, B: 5.0})
+    assert not t.should_replan(45.0, {A: 2.0, B: 10.0})
+    # A rise re-plans as soon as it is confirmed, even while another model's rate is low.
+    assert not t.should_replan(46.0, {A: 4.0, B: 5.0})
+    assert t.should_replan(47.0, {A: 4.0, B: 5.0})
