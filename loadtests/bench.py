@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="offered load as multiples of the configs' rate_rps")
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each load point")
     ap.add_argument("--single-seconds", type=float, default=12.0,
-                    help="server time per single-model run, in 4 windows")
+                    help="server time per single-model run, in 8 windows")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default="out/bench")
     ap.add_argument("--plot", default="docs/benchmarks.png")
