@@ -289,45 +289,54 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
     return out
 
 
-async def closed_loop_tritonclient(host: str, model: str, clients: int, duration_s: float,
-                                   slo_ms: float) -> tuple[float, float, float]:
-    """`clients` tritonclient aio clients (one each) in a closed loop: (req/s, goodput
-    within the SLO, p99 ms)."""
-    import tritonclient.http.aio as aio
-    from tritonclient.http import InferInput
-    from tritonclient.utils import InferenceServerException
+class TritonClients:
+    """`n` tritonclient aio clients (one each) for `model`, kept connected across windows;
+    `window()` runs them in a closed loop."""
 
-    meta = _get_json(f"{host}/v2/models/{model}")
-    t = meta["inputs"][0]
-    x = np.random.default_rng(0).random([1, *t["shape"][1:]], dtype=np.float32)
-    url = host.removeprefix("http://")
-    lat: list[float] = []
-    ok = failed = 0
-    end = time.perf_counter() + duration_s
+    def __init__(self, host: str, model: str, n: int) -> None:
+        import tritonclient.http.aio as aio
+        from tritonclient.http import InferInput
 
-    async def client() -> None:
-        nonlocal ok, failed
-        c = aio.InferenceServerClient(url)
-        inp = InferInput(t["name"], list(x.shape), "FP32")
-        inp.set_data_from_numpy(x, binary_data=True)
-        try:
+        meta = _get_json(f"{host}/v2/models/{model}")
+        t = meta["inputs"][0]
+        x = np.random.default_rng(0).random([1, *t["shape"][1:]], dtype=np.float32)
+        self.model = model
+        self.clients = [aio.InferenceServerClient(host.removeprefix("http://"))
+                        for _ in range(n)]
+        self.inp = InferInput(t["name"], list(x.shape), "FP32")
+        self.inp.set_data_from_numpy(x, binary_data=True)
+
+    async def window(self, duration_s: float, slo_ms: float, warmup_s: float = 0.0
+                     ) -> tuple[float, float, float]:
+        """(req/s, goodput within the SLO, p99 ms) of the requests answered in the
+        `duration_s` after the first `warmup_s`: steady state, as perf_analyzer measures
+        (the first batches forming and the last draining are not throughput)."""
+        from tritonclient.utils import InferenceServerException
+
+        lat: list[float] = []
+        ok = 0
+        begin = time.perf_counter() + warmup_s
+        end = begin + duration_s
+
+        async def loop(c: Any) -> None:
+            nonlocal ok
             while time.perf_counter() < end:
                 t0 = time.perf_counter()
                 try:
-                    await c.infer(model, [inp])
+                    await c.infer(self.model, [self.inp])
                 except InferenceServerException:
-                    failed += 1  # refused (429/503): counts against goodput, not a crash
-                    continue
-                ms = (time.perf_counter() - t0) * 1000
-                lat.append(ms)
-                ok += ms <= slo_ms
-        finally:
-            await c.close()
+                    continue  # refused (429/503): counts against goodput, not a crash
+                t1 = time.perf_counter()
+                if begin <= t1 < end:
+                    lat.append((t1 - t0) * 1000)
+                    ok += lat[-1] <= slo_ms
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    wall = time.perf_counter() - t0
-    return len(lat) / wall, ok / wall, float(np.percentile(lat, 99)) if lat else float("nan")
+        await asyncio.gather(*(loop(c) for c in self.clients))
+        return (len(lat) / duration_s, ok / duration_s,
+                float(np.percentile(lat, 99)) if lat else float("nan"))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
 
 
 # --------------------------------------------------------------------------- bench
@@ -376,36 +385,49 @@ def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) ->
             "seconds": seconds}
 
 
-def bench_single(config: Path, model: str, seconds: float, outdir: Path, *, cores: list[int],
-                 batch: int, clients: int = 8, rounds: int = 8) -> dict[str, Any]:
+def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int], batch: int,
+                 clients: int = 8, rounds: int = 24, window_s: float = 1.0,
+                 warmup_s: float = 0.25) -> dict[str, Any]:
     """`clients` tritonclient clients against the server, in `rounds` windows that alternate
     with windows of the in-process ceiling at `batch` (while the server idles): this
     machine's speed drifts from second to second by more than the gap being measured, so
-    each window is compared with its neighbour, and the median ratio is reported."""
+    the server's windows are compared with the in-process windows between them: goodput
+    over all server windows / items per second over all in-process windows."""
     slo = float(_models_of(config)[0]["slo_ms"])
-    window = seconds / rounds
-    per_round = []
+
+    async def measure(srv: Server, direct: InProcess) -> list[dict[str, float]]:
+        tc = TritonClients(srv.host, model, clients)
+        try:
+            await tc.window(1.0, slo)  # connect and warm the HTTP path and the worker
+            out = []
+            for _ in range(rounds):
+                ceil = direct.items_s(batch, window_s)  # blocks; the clients are idle
+                rps, good, p99 = await tc.window(window_s, slo, warmup_s)
+                out.append({"ceiling_items_s": ceil, "rps": rps, "goodput_rps": good,
+                            "p99_ms": p99})
+            return out
+        finally:
+            await tc.close()
+
     with serving(config, outdir / f"server-{config.stem}.log") as srv, \
             InProcess(model, cores) as direct:
-        asyncio.run(closed_loop_tritonclient(srv.host, model, clients, 1.0, slo))  # warm-up
-        for _ in range(rounds):
-            ceil = direct.items_s(batch, window)
-            rps, good, p99 = asyncio.run(
-                closed_loop_tritonclient(srv.host, model, clients, window, slo))
-            per_round.append({"ceiling_items_s": ceil, "rps": rps, "goodput_rps": good,
-                              "p99_ms": p99})
+        per_round = asyncio.run(measure(srv, direct))
         rss = peak_rss_mb(srv)
 
-    def med(key: str) -> float:
-        return float(np.median([r[key] for r in per_round]))
+    # All windows have the same length, so means of the rates are rates over all windows:
+    # a window's count moves in steps of a whole batch, which the sums average out.
+    def mean(key: str) -> float:
+        return float(np.mean([r[key] for r in per_round]))
 
-    return {"rps": med("rps"), "goodput_rps": med("goodput_rps"), "p99_ms": med("p99_ms"),
-            "ceiling_items_s": med("ceiling_items_s"),
-            "ratio_to_ceiling": float(np.median([r["goodput_rps"] / r["ceiling_items_s"]
-                                                 for r in per_round])),
-            "rps_ratio_to_ceiling": float(np.median([r["rps"] / r["ceiling_items_s"]
-                                                     for r in per_round])),
-            "rounds": per_round, "rss_mb": rss}
+    ratios = [r["goodput_rps"] / r["ceiling_items_s"] for r in per_round]
+    return {"rps": mean("rps"), "goodput_rps": mean("goodput_rps"),
+            "p99_ms": float(np.median([r["p99_ms"] for r in per_round])),
+            "ceiling_items_s": mean("ceiling_items_s"),
+            "ratio_to_ceiling": mean("goodput_rps") / mean("ceiling_items_s"),
+            "rps_ratio_to_ceiling": mean("rps") / mean("ceiling_items_s"),
+            "window_ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 50, 75])],
+            "rounds": per_round, "window_s": window_s, "warmup_s": warmup_s,
+            "rss_mb": rss}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -438,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scales", default="0.5,1,1.5,2",
                     help="offered load as multiples of the configs' rate_rps")
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each load point")
-    ap.add_argument("--single-seconds", type=float, default=12.0,
-                    help="server time per single-model run, in 8 windows")
+    ap.add_argument("--single-rounds", type=int, default=24,
+                    help="single-model runs: server windows, each beside an in-process one")
+    ap.add_argument("--single-window", type=float, default=1.0,
+                    help="single-model runs: seconds measured per window")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default="out/bench")
     ap.add_argument("--plot", default="docs/benchmarks.png")
@@ -471,16 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     print("single model, 8 tritonclient aio clients (closed loop):", flush=True)
     for pol in policies:
         r = bench_single(ROOT / f"configs/bench-single-resnet18-{pol}.yaml", "resnet18",
-                         args.single_seconds, outdir, cores=cores,
-                         batch=ceil["resnet18"]["best_batch"])
+                         outdir, cores=cores, batch=ceil["resnet18"]["best_batch"],
+                         rounds=args.single_rounds, window_s=args.single_window)
         results["single"][pol] = r
         windows = " ".join(f"{x['goodput_rps'] / x['ceiling_items_s']:.3f}" for x in r["rounds"])
         print(f"  resnet18 {pol:8s} {r['rps']:6.1f} req/s  goodput {r['goodput_rps']:6.1f}  "
               f"= {100 * r['ratio_to_ceiling']:5.1f}% of the ceiling beside it ({windows})  "
               f"p99 {r['p99_ms']:.0f} ms", flush=True)
     tiny = bench_single(ROOT / "configs/bench-single-tiny_cnn-shared.yaml", "tiny_cnn",
-                        args.single_seconds, outdir, cores=cores,
-                        batch=ceil["tiny_cnn"]["best_batch"])
+                        outdir, cores=cores, batch=ceil["tiny_cnn"]["best_batch"],
+                        rounds=args.single_rounds, window_s=args.single_window)
     tiny["ratio_to_ceiling"] = tiny["rps_ratio_to_ceiling"]
     tiny["server_us_per_request"] = 1e6 / tiny["rps"] - 1e6 / tiny["ceiling_items_s"]
     results["overhead_tiny_cnn"] = tiny
