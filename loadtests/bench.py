@@ -62,9 +62,11 @@ shape = spec.inputs[0].shape[1:]
 print("ready", flush=True)
 with torch.inference_mode():
     for line in sys.stdin:
-        b, seconds = int(line.split()[0]), float(line.split()[1])
+        b, seconds, warmup = int(line.split()[0]), float(line.split()[1]), float(line.split()[2])
         x = torch.rand(b, *shape)
-        for _ in range(3): m(x)
+        t0 = time.perf_counter()
+        m(x)
+        while time.perf_counter() - t0 < warmup: m(x)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             m(x); n += b
@@ -86,9 +88,11 @@ class InProcess:
             self.close()
             raise RuntimeError(f"in-process child for {model} failed to start")
 
-    def items_s(self, batch: int, seconds: float) -> float:
+    def items_s(self, batch: int, seconds: float, warmup_s: float = 0.25) -> float:
+        """Items/s at `batch` over `seconds`, after at least one batch and `warmup_s` of
+        batches not counted (the same warm-up the server's windows get)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{batch} {seconds}\n")
+        self.proc.stdin.write(f"{batch} {seconds} {warmup_s}\n")
         self.proc.stdin.flush()
         return float(self.proc.stdout.readline())
 
@@ -308,32 +312,49 @@ class TritonClients:
 
     async def window(self, duration_s: float, slo_ms: float, warmup_s: float = 0.0
                      ) -> tuple[float, float, float]:
-        """(req/s, goodput within the SLO, p99 ms) of the requests answered in the
-        `duration_s` after the first `warmup_s`: steady state, as perf_analyzer measures
-        (the first batches forming and the last draining are not throughput)."""
+        """(req/s, goodput within the SLO, p99 ms) in steady state: each client's requests
+        started after the first `warmup_s` (the first batches forming after a pause;
+        perf_analyzer likewise measures steady state) and answered within the next
+        `duration_s`, over the time from the first one's start to the last one's answer.
+        A closed-loop client's rate is one request per cycle, so this is exact; counting
+        the answers inside a fixed window instead is off by up to a whole batch (the
+        answers come in batches, in a phase that repeats from window to window)."""
         from tritonclient.utils import InferenceServerException
 
         lat: list[float] = []
-        ok = 0
+        rps = good_rps = 0.0
         begin = time.perf_counter() + warmup_s
         end = begin + duration_s
 
         async def loop(c: Any) -> None:
-            nonlocal ok
-            while time.perf_counter() < end:
+            nonlocal rps, good_rps
+            first = last = 0.0
+            answered = ok = 0
+            while True:
                 t0 = time.perf_counter()
+                if t0 >= end:
+                    break
                 try:
                     await c.infer(self.model, [self.inp])
+                    done = True
                 except InferenceServerException:
-                    continue  # refused (429/503): counts against goodput, not a crash
+                    done = False  # refused (429/503): counts against goodput, not a crash
                 t1 = time.perf_counter()
-                if begin <= t1 < end:
+                if t0 < begin or t1 > end:
+                    continue
+                if not first:
+                    first = t0
+                last = t1
+                if done:
+                    answered += 1
                     lat.append((t1 - t0) * 1000)
                     ok += lat[-1] <= slo_ms
+            if last > first:
+                rps += answered / (last - first)
+                good_rps += ok / (last - first)
 
         await asyncio.gather(*(loop(c) for c in self.clients))
-        return (len(lat) / duration_s, ok / duration_s,
-                float(np.percentile(lat, 99)) if lat else float("nan"))
+        return rps, good_rps, float(np.percentile(lat, 99)) if lat else float("nan")
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
@@ -401,7 +422,7 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int], ba
             await tc.window(1.0, slo)  # connect and warm the HTTP path and the worker
             out = []
             for _ in range(rounds):
-                ceil = direct.items_s(batch, window_s)  # blocks; the clients are idle
+                ceil = direct.items_s(batch, window_s, warmup_s)  # blocks; clients idle
                 rps, good, p99 = await tc.window(window_s, slo, warmup_s)
                 out.append({"ceiling_items_s": ceil, "rps": rps, "goodput_rps": good,
                             "p99_ms": p99})
@@ -414,8 +435,7 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int], ba
         per_round = asyncio.run(measure(srv, direct))
         rss = peak_rss_mb(srv)
 
-    # All windows have the same length, so means of the rates are rates over all windows:
-    # a window's count moves in steps of a whole batch, which the sums average out.
+    # All windows have the same length, so means of the rates are rates over all windows.
     def mean(key: str) -> float:
         return float(np.mean([r[key] for r in per_round]))
 
