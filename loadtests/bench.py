@@ -363,6 +363,17 @@ class TritonClients:
 # --------------------------------------------------------------------------- bench
 
 
+def _stats(host: str, model: str) -> dict[str, int]:
+    s = _get_json(f"{host}/v2/models/{model}/stats")["model_stats"][0]
+    return {"inference_count": s["inference_count"], "execution_count": s["execution_count"],
+            "compute_ns": s["inference_stats"]["compute_infer"]["ns"]}
+
+
+def _cpu(p: Any) -> float:
+    t = p.cpu_times()
+    return float(t.user + t.system)
+
+
 def _p99(o: Outcome) -> float:
     return float(np.percentile(o.latencies_ms, 99)) if o.latencies_ms else float("nan")
 
@@ -417,15 +428,28 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int], ba
     slo = float(_models_of(config)[0]["slo_ms"])
 
     async def measure(srv: Server, direct: InProcess) -> list[dict[str, float]]:
+        import psutil
+
+        server, me = psutil.Process(srv.pid), psutil.Process()
         tc = TritonClients(srv.host, model, clients)
         try:
             await tc.window(1.0, slo)  # connect and warm the HTTP path and the worker
             out = []
             for _ in range(rounds):
                 ceil = direct.items_s(batch, window_s, warmup_s)  # blocks; clients idle
+                # Where the time goes, over the whole server window (warm-up included):
+                # the worker's busy share (its batches' compute time from the stats) and
+                # the CPU the server and the clients spend per answered request.
+                s0, c0, m0, t0 = _stats(srv.host, model), _cpu(server), _cpu(me), time.time()
                 rps, good, p99 = await tc.window(window_s, slo, warmup_s)
+                s1, c1, m1, t1 = _stats(srv.host, model), _cpu(server), _cpu(me), time.time()
+                n = max(1, s1["inference_count"] - s0["inference_count"])
                 out.append({"ceiling_items_s": ceil, "rps": rps, "goodput_rps": good,
-                            "p99_ms": p99})
+                            "p99_ms": p99,
+                            "worker_busy": (s1["compute_ns"] - s0["compute_ns"]) / 1e9 / (t1 - t0),
+                            "avg_batch": n / max(1, s1["execution_count"] - s0["execution_count"]),
+                            "server_cpu_ms": 1000 * (c1 - c0) / n,
+                            "client_cpu_ms": 1000 * (m1 - m0) / n})
             return out
         finally:
             await tc.close()
@@ -446,6 +470,8 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int], ba
             "ratio_to_ceiling": mean("goodput_rps") / mean("ceiling_items_s"),
             "rps_ratio_to_ceiling": mean("rps") / mean("ceiling_items_s"),
             "window_ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 50, 75])],
+            **{k: mean(k) for k in ("worker_busy", "avg_batch", "server_cpu_ms",
+                                    "client_cpu_ms")},
             "rounds": per_round, "window_s": window_s, "warmup_s": warmup_s,
             "rss_mb": rss}
 
@@ -522,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  resnet18 {pol:8s} {r['rps']:6.1f} req/s  goodput {r['goodput_rps']:6.1f}  "
               f"= {100 * r['ratio_to_ceiling']:5.1f}% of the ceiling beside it (per window: "
               f"median {q2:.3f}, quartiles {q1:.3f}-{q3:.3f})  "
-              f"p99 {r['p99_ms']:.0f} ms", flush=True)
+              f"p99 {r['p99_ms']:.0f} ms; worker busy {100 * r['worker_busy']:.1f}%, "
+              f"avg batch {r['avg_batch']:.1f}, CPU per request: server "
+              f"{r['server_cpu_ms']:.2f} ms, clients {r['client_cpu_ms']:.2f} ms", flush=True)
     tiny = bench_single(ROOT / "configs/bench-single-tiny_cnn-shared.yaml", "tiny_cnn",
                         outdir, cores=cores, batch=ceil["tiny_cnn"]["best_batch"],
                         rounds=args.single_rounds, window_s=args.single_window)
@@ -576,7 +604,9 @@ def report(r: dict[str, Any]) -> str:
     for pol, s in r["single"].items():
         lines.append(f"  {pol:9s} {s['goodput_rps']:6.1f} rps within SLO, ceiling "
                      f"{s['ceiling_items_s']:.1f}; ratio "
-                     f"{100 * s['ratio_to_ceiling']:5.1f}% (target 95%), p99 {s['p99_ms']:.0f} ms")
+                     f"{100 * s['ratio_to_ceiling']:5.1f}% (target 95%), p99 {s['p99_ms']:.0f} ms; "
+                     f"worker busy {100 * s['worker_busy']:.1f}%, CPU per request: server "
+                     f"{s['server_cpu_ms']:.2f} ms, clients {s['client_cpu_ms']:.2f} ms")
     t = r["overhead_tiny_cnn"]
     lines.append(f"\nServer overhead, tiny_cnn (shared, 8 clients): {t['rps']:.0f} req/s vs "
                  f"in-process {t['ceiling_items_s']:.0f} items/s "
