@@ -2,8 +2,8 @@
 
 In one run:
 1. **In-process ceiling** per model: the model called directly in a fresh process with the
-   same cores and threads the server's workers get, at every batch size up to the max;
-   the best items/s is what no server can beat.
+   same cores and threads the server's workers get, at batch 1, 2, 4 and 8 (best of three
+   0.8 s bursts each); the best items/s is what no server can beat.
 2. **Two-model mix** (`configs/bench-mix-<policy>.yaml`): for each policy a real server
    (`dstack serve` subprocess on 127.0.0.1, free port, polled on `/v2/health/ready`,
    stopped by PID on every path) under the same open-loop Poisson load at several rates
