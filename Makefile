@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test lint loadtest bench clean
 
-setup: $(STAMP)
+setup: $(BUILT)
 
 # The virtual environment is made if missing and re-installed when the pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -17,10 +18,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The install compiles the simulator's hot path (setup.py); a changed source is compiled
+# again here (only what changed), so a stale extension module never shadows it.
+$(BUILT): $(STAMP) setup.py $(wildcard dstack/*.py dstack/simulate/*.py)
+	$(PY) setup.py -q build_ext --inplace
+	touch $(BUILT)
+
+serve: $(BUILT)
 	$(VENV)/bin/dstack serve --config $(CONFIG)
 
-test: $(STAMP)
+test: $(BUILT)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -56,8 +63,9 @@ loadtest: $(STAMP)
 # Every policy side by side on one machine, against the in-process ceiling (< 15 min).
 BENCH_ARGS ?=
 
-bench: $(STAMP)
+bench: $(BUILT)
 	$(PY) -m loadtests.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+	find dstack -name '*.so' -delete -o -name '*.c' -delete

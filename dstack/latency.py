@@ -7,12 +7,15 @@ batch windows use what the worker really does now. Pure: no clocks, no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import cython
 
 TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
 
 
-@dataclass(slots=True)
+# An extension type when compiled (setup.py): the simulator and the dispatcher ask it on
+# every decision.
+@cython.dataclasses.dataclass
+@cython.cclass
 class LinearLatency:
     """`observations` counts the batches seen. A seed (warm-up timings, a profile) is a
     guess: until `TRUST_AFTER` real batches have been observed the estimate is not
@@ -20,10 +23,10 @@ class LinearLatency:
     seed that came out too slow (say, warm-up on a busy machine) would refuse every
     request, so no batch would ever run to correct it."""
 
-    k_s: float  # fixed cost per batch
-    t_s: float  # cost per item
-    alpha: float = 0.1  # weight of a new observation
-    observations: int = 0
+    k_s: cython.double  # fixed cost per batch
+    t_s: cython.double  # cost per item
+    alpha: cython.double = 0.1  # weight of a new observation
+    observations: cython.long = 0
 
     @property
     def trusted(self) -> bool:

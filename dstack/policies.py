@@ -15,11 +15,13 @@ very same objects on a virtual clock. Nothing here reads a clock, sleeps or does
 
 from __future__ import annotations
 
-import bisect
 import math
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import cython
 
 from dstack.config import PolicyName
 from dstack.latency import LinearLatency
@@ -29,27 +31,35 @@ from dstack.types import Plan, Schedule
 # --------------------------------------------------------------------------- views & decisions
 
 
-@dataclass(frozen=True, slots=True)
+# The objects made on every decision are Cython extension types when compiled (C
+# structs: a few times cheaper to make and read than Python dataclasses); frozen
+# dataclasses either way.
+
+
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class QueueView:
     """One model's state as the policy sees it."""
 
     model: str
-    items: int  # items waiting (a request may hold several)
+    items: cython.int  # items waiting (a request may hold several)
     head_arrival: float | None  # arrival of the oldest waiting request
     head_deadline: float | None
-    running: bool  # its worker is running a batch
+    running: cython.bint  # its worker is running a batch
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class Launch:
     model: str
-    max_items: int
-    reuse: bool = False  # dstack: runs in idle capacity outside its own slot
+    max_items: cython.int
+    reuse: cython.bint = False  # dstack: runs in idle capacity outside its own slot
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class Decision:
-    launches: tuple[Launch, ...] = ()
+    launches: tuple = ()  # of Launch
     wake_at: float | None = None  # look again at this time even if nothing happens
 
 
@@ -82,14 +92,16 @@ class Policy(Protocol):
 # --------------------------------------------------------------------------- batch window
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class TakeNow:
-    n: int
+    n: cython.int
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class WaitUntil:
-    t: float
+    t: cython.double
 
 
 def batch_window(
@@ -248,37 +260,333 @@ class TemporalPolicy(SharedPolicy):
 # --------------------------------------------------------------------------- dstack
 
 
-def _slot_index(s: _SlotT) -> int:
-    return s.index
+# The dstack policy's schedule laid on the clock: which slot occurrences have been used or
+# forfeited, which models have a batch running, and the decision that follows. Compiled,
+# these are typed scans over a few dozen slots with no Python objects in the inner loops.
+# Every test is the plain definition, a scan of every slot of every cycle that can matter.
+#
+# Slots are numbered in schedule order, models in the policy's order. Slot occurrence
+# (slot i, cycle k) starts at origin + k * cycle + start(i). Its state is FREE (not looked
+# at yet), USED (its model launched in it, or a batch of its model ran into it) or
+# FORFEITED (its model had nothing queued when it was first looked at).
+
+FREE = cython.declare(cython.int, 0)
+USED = cython.declare(cython.int, 1)
+FORFEITED = cython.declare(cython.int, 2)
+_STATES = ("free", "used", "forfeited")
+_EPS = cython.declare(cython.double, 1e-9)  # times closer than this are the same instant
+_INF = cython.declare(cython.double, math.inf)
 
 
-# Slack for skipping whole cycles or slots by bounds: far above the rounding of sums of a
-# few seconds-scale floats, far below any slot length.
-_MARGIN_S = 1e-6
+@cython.cclass
+class SlotClock:
+    origin = cython.declare(cython.double, visibility="public")
+    cycle_s = cython.declare(cython.double, visibility="readonly")
+    n_slots = cython.declare(cython.int, visibility="readonly")
+    n_models = cython.declare(cython.int, visibility="readonly")
+    # Occupancy, a ring of cycles: row r holds cycle occ_cycle[r] (r = k mod rows), one
+    # state per slot. Rows of cycles before k_live (the cycle before the latest decision's)
+    # are never read again and are reused; a mark that would overwrite a live row doubles
+    # the ring (a batch predicted to run over more cycles than it has).
+    rows = cython.declare(cython.long, visibility="readonly")
+    k_live: cython.long
+    occ_cycle: cython.long[:]
+    occ_state: cython.uchar[:]
+    s_model: cython.int[:]
+    s_start: cython.double[:]
+    s_dur: cython.double[:]
+    s_pct: cython.double[:]
+    clash: cython.uchar[:]  # [i * n_slots + j]: slots i and j share a unit
+    own: cython.int[:]  # model -> its first slot (its worker's slice), -1 if none
+    batch: cython.int[:]  # model -> planned batch
+    plan_s: cython.double[:]  # model -> planned latency, when no estimate is known
+    busy: cython.uchar[:]  # model -> a batch this policy launched may still run
+    busy_until: cython.double[:]
+    busy_slot: cython.int[:]  # the slot whose percent and units the batch holds
+    names: list
+    index: dict  # model name -> model index
+    items: cython.int[:]  # per model, from the queue views of the decision in progress
+    running: cython.uchar[:]
+
+    def __init__(self, names: list, slots: list, cycle_s: float, origin: float,
+                 batch: list, plan_s: list) -> None:
+        """`names`: the models; `slots`: (model index, start s, duration s, percent,
+        units) per slot; `batch` and `plan_s`: the planned batch and its latency per
+        model."""
+        n: cython.int = len(slots)
+        n_models: cython.int = len(names)
+        self.n_models = n_models
+        self.names = list(names)
+        self.index = {m: j for j, m in enumerate(names)}
+        self.items = array("i", [0] * n_models)
+        self.running = array("B", [0] * n_models)
+        self.n_slots = n
+        self.cycle_s = cycle_s
+        self.origin = origin
+        self.k_live = -(2**62)
+        self._reset_ring(4)
+        self.s_model = array("i", [s[0] for s in slots])
+        self.s_start = array("d", [s[1] for s in slots])
+        self.s_dur = array("d", [s[2] for s in slots])
+        self.s_pct = array("d", [s[3] for s in slots])
+        units = [frozenset(s[4]) for s in slots]
+        self.clash = array("B", [1 if units[i] & units[j] else 0
+                                 for i in range(n) for j in range(n)])
+        own = [-1] * n_models
+        for i in range(n - 1, -1, -1):
+            own[slots[i][0]] = i
+        self.own = array("i", own)
+        self.batch = array("i", batch)
+        self.plan_s = array("d", plan_s)
+        self.busy = array("B", [0] * n_models)
+        self.busy_until = array("d", [0.0] * n_models)
+        self.busy_slot = array("i", [0] * n_models)
+
+    # ------------------------------------------------------------------ state
+
+    @cython.cfunc
+    @cython.inline
+    def cycle_of(self, t: cython.double) -> cython.long:
+        x: cython.double = (t - self.origin) / self.cycle_s
+        k: cython.long = cython.cast(cython.long, x)  # math.floor, without a Python int
+        return k - 1 if k > x else k
+
+    @cython.cfunc
+    @cython.inline
+    def _state(self, i: cython.int, k: cython.long) -> cython.int:
+        r: cython.long = k % self.rows
+        if self.occ_cycle[r] != k:
+            return FREE
+        return self.occ_state[r * self.n_slots + i]
+
+    def state(self, i: int, k: int) -> str:
+        """"free", "used" or "forfeited": the state of occurrence (slot i, cycle k)."""
+        return _STATES[self._state(i, k)]
+
+    @cython.cfunc
+    def _mark(self, i: cython.int, k: cython.long, st: cython.int) -> cython.void:
+        ns: cython.int = self.n_slots
+        r: cython.long = k % self.rows
+        j: cython.int
+        while self.occ_cycle[r] != k and self.occ_cycle[r] >= self.k_live:
+            self._reset_ring(2 * self.rows)
+            r = k % self.rows
+        if self.occ_cycle[r] != k:
+            self.occ_cycle[r] = k
+            for j in range(ns):
+                self.occ_state[r * ns + j] = FREE
+        self.occ_state[r * ns + i] = st
+
+    def _reset_ring(self, rows: int) -> None:
+        """A ring of `rows` cycles holding every live row of the current one."""
+        ns = self.n_slots
+        live = {}
+        if self.k_live > -(2**62):
+            for r in range(self.rows):
+                k = self.occ_cycle[r]
+                if k >= self.k_live:
+                    live[k] = [self.occ_state[r * ns + i] for i in range(ns)]
+        cycles = array("l", [-(2**62)] * rows)
+        states = array("B", [FREE] * (rows * ns))
+        for k, row in live.items():
+            cycles[k % rows] = k
+            states[(k % rows) * ns:(k % rows + 1) * ns] = array("B", row)
+        self.rows = rows
+        self.occ_cycle = cycles
+        self.occ_state = states
+
+    def busy_models(self) -> dict[int, tuple[float, int]]:
+        """model -> (predicted end, slot held) of every batch that may still run."""
+        return {j: (self.busy_until[j], self.busy_slot[j])
+                for j in range(self.n_models) if self.busy[j]}
+
+    @cython.ccall
+    def done(self, m: cython.int) -> cython.void:
+        """Model m's batch ended."""
+        self.busy[m] = 0
+
+    @cython.cfunc
+    def _hold(self, m: cython.int, until: cython.double, slot: cython.int) -> cython.void:
+        self.busy[m] = 1
+        self.busy_until[m] = until
+        self.busy_slot[m] = slot
+
+    # ------------------------------------------------------------------ tests
+
+    @cython.ccall
+    def next_start(self, now: cython.double) -> cython.double:
+        """The earliest slot start after `now` in its cycle or the next (inf if none)."""
+        t: cython.double = now + _EPS
+        best: cython.double = _INF
+        k: cython.long
+        i: cython.int
+        start: cython.double
+        k0: cython.long = self.cycle_of(now)
+        for k in range(k0, k0 + 2):
+            base: cython.double = self.origin + k * self.cycle_s
+            for i in range(self.n_slots):
+                start = base + self.s_start[i]
+                if t < start < best:
+                    best = start
+        return best
+
+    @cython.ccall
+    def fits(self, m: cython.int, t0: cython.double, t1: cython.double) -> cython.bint:
+        """May model m run on its own slice during [t0, t1] beside the schedule?
+
+        Its own slots are its capacity anyway. Every other slot occurrence overlapping the
+        run counts against it unless it is idle (forfeited before t0, or used and its
+        batch over), and so does every batch running now: together <= 100% and disjoint
+        units."""
+        mine: cython.int = self.own[m]
+        if mine < 0:
+            return False
+        ns: cython.int = self.n_slots
+        load: cython.double = self.s_pct[mine]
+        lo: cython.double = t0 + _EPS
+        hi: cython.double = t1 - _EPS
+        k: cython.long
+        i: cython.int
+        j: cython.int
+        st: cython.int
+        start: cython.double
+        for k in range(self.cycle_of(t0) - 1, self.cycle_of(t1) + 2):
+            base: cython.double = self.origin + k * self.cycle_s
+            for i in range(ns):
+                start = base + self.s_start[i]
+                if start + self.s_dur[i] <= lo or start >= hi or self.s_model[i] == m:
+                    continue
+                st = self._state(i, k)
+                if st == FORFEITED and start <= lo:
+                    continue
+                if st == USED and not self.busy[self.s_model[i]]:
+                    continue  # its batch already ended: the rest of the slot is idle
+                load += self.s_pct[i]
+                if self.clash[mine * ns + i]:
+                    return False
+        for j in range(self.n_models):
+            if j != m and self.busy[j] and self.busy_until[j] > t0:
+                load += self.s_pct[self.busy_slot[j]]
+                if self.clash[mine * ns + self.busy_slot[j]]:
+                    return False
+        return load <= 100.0 + _EPS
+
+    @cython.cfunc
+    def _claim_own(self, m: cython.int, t0: cython.double, t1: cython.double) -> cython.void:
+        """A batch outside the slot start runs into its own slot occurrences: they are used
+        (so they do not launch a second time as if fresh)."""
+        lo: cython.double = t0 + _EPS
+        hi: cython.double = t1 - _EPS
+        k: cython.long
+        i: cython.int
+        start: cython.double
+        for k in range(self.cycle_of(t0) - 1, self.cycle_of(t1) + 2):
+            base: cython.double = self.origin + k * self.cycle_s
+            for i in range(self.n_slots):
+                start = base + self.s_start[i]
+                if (self.s_model[i] == m and start + self.s_dur[i] > lo and start < hi
+                        and self._state(i, k) == FREE):
+                    self._mark(i, k, USED)
+
+    @cython.cfunc
+    def _room_beside_busy(self, i: cython.int, now: cython.double) -> cython.bint:
+        load: cython.double = self.s_pct[i]
+        j: cython.int
+        m: cython.int = self.s_model[i]
+        for j in range(self.n_models):
+            if j != m and self.busy[j] and self.busy_until[j] > now:
+                load += self.s_pct[self.busy_slot[j]]
+                if self.clash[i * self.n_slots + self.busy_slot[j]]:
+                    return False
+        return load <= 100.0 + _EPS
+
+    @cython.cfunc
+    def _estimate(self, lat: dict, m: cython.int, n: cython.int) -> cython.double:
+        e = lat.get(self.names[m])
+        if e is None:
+            return self.plan_s[m]
+        return e.estimate_s(n)
+
+    # ------------------------------------------------------------------ the decision
+
+    @cython.ccall
+    def decide(self, now: cython.double, queues: object, lat: dict,
+               reuse_idle: cython.bint) -> Decision:
+        """`queues`: model name -> QueueView; `lat`: model name -> latency estimate, where
+        one is known."""
+        launches: list = []
+        q: QueueView
+        items: cython.int[:] = self.items
+        running: cython.uchar[:] = self.running
+        ns: cython.int = self.n_slots
+        t: cython.double = now + _EPS
+        k_now: cython.long = self.cycle_of(now)
+        if k_now - 1 > self.k_live:
+            self.k_live = k_now - 1  # rows of earlier cycles are never read again
+        k: cython.long
+        i: cython.int
+        m: cython.int
+        n: cython.int
+        st: cython.int
+        start: cython.double
+        end: cython.double
+        for m in range(self.n_models):
+            items[m] = 0
+            running[m] = 0
+        for name, q in queues.items():
+            m = self.index[name]
+            items[m] = q.items
+            running[m] = q.running
+        for m in range(self.n_models):
+            if self.busy[m] and not running[m]:
+                self.busy[m] = 0
+        # 1. Slot occurrences that have begun (this cycle and the last, for slots that
+        #    straddle a cycle boundary), in slot order.
+        for k in range(k_now - 1, k_now + 1):
+            base: cython.double = self.origin + k * self.cycle_s
+            for i in range(ns):
+                start = base + self.s_start[i]
+                if start > t or t >= start + self.s_dur[i]:
+                    continue
+                m = self.s_model[i]
+                st = self._state(i, k)
+                if items[m] == 0:
+                    if st == FREE:
+                        self._mark(i, k, FORFEITED)
+                    continue
+                if running[m] or self.busy[m]:
+                    continue  # its batch is running; look again when it ends
+                n = min(items[m], self.batch[m])
+                end = now + self._estimate(lat, m, n)
+                # At the slot's start its planned batch goes. Later in the slot (work
+                # arrived after the start, an earlier batch ended, or its own reuse batch
+                # ran into the start): a batch if it ends within the slot and fits beside
+                # what is running (a reuse batch may hold a forfeited slot's capacity).
+                # (A first look may come late, the dispatcher being busy: it still takes
+                # the planned batch. An occurrence its own reuse batch ran into is already
+                # marked used by `_claim_own`.)
+                if st != FREE and (end > start + self.s_dur[i] + _EPS
+                                   or not self._room_beside_busy(i, now)):
+                    continue
+                self._mark(i, k, USED)
+                launches.append(Launch(self.names[m], n, False))
+                self._hold(m, end, i)
+        # 2. Reuse of idle capacity.
+        if reuse_idle:
+            for m in range(self.n_models):
+                if items[m] == 0 or running[m] or self.busy[m]:
+                    continue
+                n = min(items[m], self.batch[m])
+                end = now + self._estimate(lat, m, n)
+                if self.fits(m, now, end):
+                    self._claim_own(m, now, end)
+                    launches.append(Launch(self.names[m], n, True))
+                    self._hold(m, end, self.own[m])
+        # 3. Look again at the next slot start.
+        wake: cython.double = self.next_start(now)
+        return Decision(tuple(launches), wake if wake < _INF else None)
 
 
-@dataclass
-class _Busy:
-    model: str
-    until: float
-    percent: float
-    units: frozenset[int]
-
-
-@dataclass(frozen=True, slots=True)
-class _SlotT:
-    """A slot in seconds, with its units as a set: precomputed once per schedule, since
-    `decide` runs on every event (the dispatcher's and the simulator's hot path)."""
-
-    index: int
-    model: str
-    start_s: float
-    dur_s: float
-    percent: float
-    units: frozenset[int]
-
-
-@dataclass
 class DStackPolicy:
     """Follow the spatio-temporal schedule; reuse idle capacity.
 
@@ -292,48 +600,51 @@ class DStackPolicy:
     model loses any of its slot, so none is pushed past its bound. (A model whose slice
     no other slot shares thus runs whenever it has work, as under `spatial`, with its
     planned batch.)
+
+    The state and the decision live in `dstack.slotclock.SlotClock` (compiled: `decide`
+    runs on every event of the dispatcher and of the simulator).
     """
 
-    models: dict[str, ModelParams]
-    backend: SliceBackend
-    the_plan: Plan
-    the_schedule: Schedule
-    origin: float
-    latency: dict[str, LinearLatency] = field(default_factory=dict)
-    reuse_idle: bool = True
-    name: PolicyName = PolicyName.DSTACK
-    # (slot index, cycle index) -> "used" | "forfeited"
-    _occ: dict[tuple[int, int], str] = field(default_factory=dict)
-    _busy: dict[str, _Busy] = field(default_factory=dict)
+    name = PolicyName.DSTACK
 
-    def __post_init__(self) -> None:
-        self._slots = tuple(
-            _SlotT(i, s.model, s.start_ms / 1000, s.duration_ms / 1000, s.percent,
-                   frozenset(s.units))
-            for i, s in enumerate(self.the_schedule.slots)
+    def __init__(self, models: dict[str, ModelParams], backend: SliceBackend, the_plan: Plan,
+                 the_schedule: Schedule, origin: float,
+                 latency: dict[str, LinearLatency] | None = None,
+                 reuse_idle: bool = True) -> None:
+        self.models = models
+        self.backend = backend
+        self.the_plan = the_plan
+        self.the_schedule = the_schedule
+        self.latency: dict[str, LinearLatency] = {} if latency is None else latency
+        self.reuse_idle = reuse_idle
+        self._names = list(models)
+        index = {m: j for j, m in enumerate(self._names)}
+        self._index = index
+        batch = {m.model: m for m in the_plan.models}
+        self._clock = SlotClock(
+            self._names,
+            [(index[s.model], s.start_ms / 1000, s.duration_ms / 1000, s.percent, s.units)
+             for s in the_schedule.slots],
+            the_schedule.cycle_ms / 1000, origin,
+            [batch[m].batch if m in batch else 1 for m in self._names],
+            [batch[m].latency_ms / 1000 if m in batch else 0.0 for m in self._names],
         )
-        self._own = {}
-        for st in self._slots:
-            self._own.setdefault(st.model, st)
-        self._batch = {m.model: m.batch for m in self.the_plan.models}
-        self._cycle_s = self.the_schedule.cycle_ms / 1000
-        # Bounds of one cycle's slots (offsets from the cycle's start), so that `decide`,
-        # `_next_start` and `_fits` skip whole cycles, and slots sorted by start, so that
-        # they stop at the first slot starting too late. Both are only used to skip work
-        # with a margin far above float rounding; every slot they keep gets the exact test.
-        self._by_start = sorted(self._slots, key=lambda s: (s.start_s, s.index))
-        self._starts = [s.start_s for s in self._by_start]
-        if self._slots:
-            self._lo_s = min(s.start_s for s in self._slots)
-            self._hi_s = max(s.start_s + s.dur_s for s in self._slots)
-            self._max_dur_s = max(s.dur_s for s in self._slots)
-        else:
-            self._lo_s = self._hi_s = self._max_dur_s = 0.0
-        self._own_slots = {m: tuple(s for s in self._slots if s.model == m) for m in self._own}
+
+    @property
+    def origin(self) -> float:
+        return self._clock.origin
+
+    @origin.setter
+    def origin(self, t: float) -> None:
+        self._clock.origin = t
 
     @property
     def cycle_s(self) -> float:
-        return self._cycle_s
+        return self._clock.cycle_s
+
+    @property
+    def clock(self) -> SlotClock:
+        return self._clock
 
     def slices(self) -> dict[str, SliceSpec]:
         out: dict[str, SliceSpec] = {}
@@ -347,166 +658,11 @@ class DStackPolicy:
     def schedule(self) -> Schedule | None:
         return self.the_schedule
 
-    def _estimate(self, model: str, n: int) -> float:
-        lat = self.latency.get(model)
-        if lat is not None:
-            return lat.estimate_s(n)
-        return self.the_plan.for_model(model).latency_ms / 1000
-
     def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
-        k_now = math.floor((now - self.origin) / self._cycle_s)
-        for m in list(self._busy):
-            if not queues[m].running:
-                del self._busy[m]
-        launches: list[Launch] = []
-        t = now + 1e-9
-        occ = self._occ
-        # 1. Slot occurrences that have begun (this cycle and the last, for slots that
-        #    straddle a cycle boundary).
-        for k in (k_now - 1, k_now):
-            base = self.origin + k * self._cycle_s
-            if base + self._hi_s + _MARGIN_S <= now or base + self._lo_s - _MARGIN_S > now:
-                continue  # no slot of cycle k contains `now`
-            # The slots of cycle k containing `now`, in slot order.
-            hits = []
-            for s in self._by_start:
-                start = base + s.start_s
-                if start > t:
-                    break  # sorted by start: every later one starts later still
-                if t < start + s.dur_s:
-                    hits.append(s)
-            if len(hits) > 1:
-                hits.sort(key=_slot_index)
-            for s in hits:
-                key = (s.index, k)
-                state = occ.get(key)
-                q = queues[s.model]
-                if q.items == 0:
-                    if state is None:
-                        occ[key] = "forfeited"
-                    continue
-                if q.running or s.model in self._busy:
-                    continue  # its batch is running; look again when it ends
-                n = min(q.items, self._batch[s.model])
-                end = now + self._estimate(s.model, n)
-                # At the slot's start its planned batch goes. Later in the slot (work
-                # arrived after the start, an earlier batch ended, or its own reuse batch
-                # ran into the start): a batch if it ends within the slot and fits beside
-                # what is running (a reuse batch may hold a forfeited slot's capacity).
-                # (A first look may come late, the dispatcher being busy: it still takes
-                # the planned batch. An occurrence its own reuse batch ran into is already
-                # marked used by `_claim_own`.)
-                if state is not None and (end > base + s.start_s + s.dur_s + 1e-9
-                                          or not self._room_beside_busy(s, now)):
-                    continue
-                occ[key] = "used"
-                launches.append(Launch(s.model, n))
-                self._busy[s.model] = _Busy(s.model, end, s.percent, s.units)
-        # 2. Reuse of idle capacity.
-        if self.reuse_idle:
-            busy = self._busy
-            for m, q in queues.items():
-                if q.items == 0 or q.running or m in busy:
-                    continue
-                n = min(q.items, self._batch[m])
-                end = now + self._estimate(m, n)
-                if self._fits(m, now, end, k_now):
-                    mine = self._own[m]
-                    self._claim_own(m, now, end, k_now)
-                    launches.append(Launch(m, n, reuse=True))
-                    self._busy[m] = _Busy(m, end, mine.percent, mine.units)
-        # 3. Wake at the next slot start; forget occurrences older than the last cycle.
-        if len(self._occ) > 4 * len(self._slots):
-            self._occ = {key: v for key, v in self._occ.items() if key[1] >= k_now - 1}
-        return Decision(tuple(launches), self._next_start(now, k_now))
-
-    def _room_beside_busy(self, s: _SlotT, now: float) -> bool:
-        load = s.percent
-        for b in self._busy.values():
-            if b.model != s.model and b.until > now:
-                load += b.percent
-                if s.units & b.units:
-                    return False
-        return load <= 100.0 + 1e-9
-
-    def _next_start(self, now: float, k_now: int) -> float | None:
-        # The earliest slot start after `now` in cycles k_now and k_now + 1 (as
-        # the plain scan in the tests): base + offset is monotonic in the offset, so in each
-        # cycle the sorted offsets give sorted starts and a bisection finds the first.
-        t = now + 1e-9
-        best: float | None = None
-        for k in (k_now, k_now + 1):
-            start = self._first_start_after(t, self.origin + k * self._cycle_s)
-            if start is not None and (best is None or start < best):
-                best = start
-        return best
-
-    def _first_start_after(self, t: float, base: float) -> float | None:
-        starts = self._starts
-        i = bisect.bisect_right(starts, t - base)
-        while i > 0 and base + starts[i - 1] > t:  # the bisection's own rounding, both ways
-            i -= 1
-        while i < len(starts) and base + starts[i] <= t:
-            i += 1
-        return base + starts[i] if i < len(starts) else None
-
-    def _overlapping(self, lo: float, hi: float, k_now: int):  # noqa: ANN202 - generator
-        """(cycle k, slot, its start) for every slot occurrence overlapping (lo, hi)."""
-        origin, cycle_s, starts = self.origin, self._cycle_s, self._starts
-        k_lo = max(k_now - 1, math.floor((lo - origin - self._hi_s) / cycle_s) - 1)
-        k_hi = math.floor((hi - origin - self._lo_s) / cycle_s) + 1
-        for k in range(k_lo, k_hi + 1):
-            base = origin + k * cycle_s
-            if base + self._hi_s + _MARGIN_S <= lo or base + self._lo_s - _MARGIN_S >= hi:
-                continue
-            # Slots starting before lo - the longest duration end before lo: skip them.
-            i = bisect.bisect_left(starts, lo - base - self._max_dur_s - _MARGIN_S)
-            for s in self._by_start[i:]:
-                start = base + s.start_s
-                if start >= hi:
-                    break  # sorted by start: every later slot starts later still
-                if start + s.dur_s > lo:
-                    yield k, s, start
-
-    def _fits(self, model: str, t0: float, t1: float, k_now: int) -> bool:
-        """May `model` run on its own slice during [t0, t1] beside the schedule?
-
-        Its own slots are its capacity anyway. Every other slot occurrence overlapping the
-        run counts against it unless it is idle (forfeited before t0, or used and its batch
-        over), and so does every batch running now: together <= 100% and disjoint units.
-        """
-        mine = self._own[model]
-        load = mine.percent
-        units = mine.units
-        occ, busy = self._occ, self._busy
-        lo0 = t0 + 1e-9
-        for k, s, start in self._overlapping(lo0, t1 - 1e-9, k_now):
-            if s.model == model:
-                continue
-            state = occ.get((s.index, k))
-            if state == "forfeited" and start <= lo0:
-                continue
-            if state == "used" and s.model not in busy:
-                continue  # its batch already ended: the rest of the slot is idle
-            load += s.percent
-            if units & s.units:
-                return False
-        for b in busy.values():
-            if b.model != model and b.until > t0:
-                load += b.percent
-                if units & b.units:
-                    return False
-        return load <= 100.0 + 1e-9
-
-    def _claim_own(self, model: str, t0: float, t1: float, k_now: int) -> None:
-        """A batch outside the slot start runs into its own slot occurrences: they are used
-        (so they do not launch a second time as if fresh)."""
-        for k, s, _ in self._overlapping(t0 + 1e-9, t1 - 1e-9, k_now):
-            if s.model == model:
-                self._occ.setdefault((s.index, k), "used")
+        return self._clock.decide(now, queues, self.latency, self.reuse_idle)
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
-        self._busy.pop(model, None)
+        self._clock.done(self._index[model])
 
 
 # --------------------------------------------------------------------------- factory

@@ -41,10 +41,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import cython
+
 from dstack.policies import Policy, QueueView
 
-INF = math.inf
-_NUDGE_S = 1e-9
+INF = cython.declare(cython.double, math.inf)
+_NUDGE_S = cython.declare(cython.double, 1e-9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,203 +101,313 @@ def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
         model_idx: Sequence[int], duration_s: float, *, timeline_s: float = 0.0) -> RunResult:
     """Drive `policy` through the arrivals (sorted `times`, with `model_idx` into
     `models`) on a virtual clock; see the module docstring for the semantics."""
-    n_models = len(models)
-    names = [m.name for m in models]
-    index = {n: j for j, n in enumerate(names)}
-    slo = [m.slo_s for m in models]
-    cap = [m.max_batch for m in models]
-    max_queue = [m.max_queue for m in models]
-    pct = [m.percent for m in models]
-    table = [m.latency_s for m in models]
-    lat_est = getattr(policy, "latency", {})
-    est = [lat_est.get(n) for n in names]
-    counts = [ModelCounts() for _ in models]
-    # estimate(1) and SLO - estimate(1) per model, the admission and doom tests: kept here
-    # and refreshed when the model's latency estimate learns (after each of its batches),
-    # which is the only time they change.
-    # As in the runtime, an estimate refuses nothing until it is trusted (a few observed
-    # batches); the runtime's stale-estimate probe is not modelled (the simulated batches
-    # always run at the profile's latency, so an estimate cannot stay too slow).
-    one = [e.estimate_s(1) if e is not None and e.trusted else 0.0 for e in est]
-    limits = [slo[j] - one[j] for j in range(n_models)]
+    return _Loop(policy, models, duration_s, timeline_s).run(
+        array("d", times), array("i", model_idx))
 
-    queues: list[deque[float]] = [deque() for _ in models]  # arrival times
-    running = [False] * n_models
-    rem = [0.0] * n_models  # solo work left in the running batch
-    bstart = [0.0] * n_models
-    breqs: list[list[float]] = [[] for _ in models]
-    breuse = [False] * n_models
-    active: list[int] = []
-    views: dict[str, QueueView] = {n: QueueView(n, 0, None, None, False) for n in names}
-    dirty = [False] * n_models
-    lat_out = array("d")
-    timeline: list[BatchSpan] = []
 
-    load = 0.0  # S, sum of running percentages
-    rate = 1.0
-    last = 0.0
-    busy = 0.0
-    t_fin = INF
-    fin_j = -1
-    wake = INF
-    queued = 0
-    decisions = 0
-    i = 0
-    n_arr = len(times)
-    decide = policy.decide
-    done_cb = policy.on_batch_done
+@cython.cclass
+class _Loop:
+    """The loop's state: per model, typed arrays indexed by the model's position (C
+    arrays when compiled); the queues are deques of arrival times."""
 
-    def advance(now: float) -> None:
-        nonlocal last, busy
-        dt = now - last
-        if dt > 0 and active:
-            used = dt * rate
-            for j in active:
-                rem[j] -= used
-            hi = now if now < duration_s else duration_s
-            if hi > last:
-                busy += (load if load < 100.0 else 100.0) / 100.0 * (hi - last)
-        last = now
+    n_models: cython.int
+    duration_s: cython.double
+    timeline_s: cython.double
+    names: list
+    index: dict
+    slo: cython.double[:]
+    cap: cython.int[:]
+    max_queue: cython.int[:]
+    pct: cython.double[:]
+    table: list  # per model: L(b) in seconds, b = 0..max_batch
+    est: list  # per model: the policy's LinearLatency, or None
+    # estimate(1) and SLO - estimate(1) per model, the admission and doom tests: kept
+    # here and refreshed when the model's latency estimate learns (after each of its
+    # batches), which is the only time they change. As in the runtime, an estimate
+    # refuses nothing until it is trusted (a few observed batches); the runtime's
+    # stale-estimate probe is not modelled (the simulated batches always run at the
+    # profile's latency, so an estimate cannot stay too slow).
+    one: cython.double[:]
+    limits: cython.double[:]
+    queues: list  # per model: deque of arrival times
+    qlen: cython.int[:]  # per model: its queue's length and oldest arrival (if any)
+    qhead: cython.double[:]
+    running: cython.uchar[:]
+    rem: cython.double[:]  # solo work left in the running batch
+    bstart: cython.double[:]
+    breuse: cython.uchar[:]
+    breqs: list  # per model: the arrival times of its running batch
+    active: list  # running models, in launch order
+    views: dict
+    dirty: cython.uchar[:]
+    arrived: cython.longlong[:]
+    refused_full: cython.longlong[:]
+    refused_deadline: cython.longlong[:]
+    served: cython.longlong[:]
+    within_slo: cython.longlong[:]
+    batches: cython.longlong[:]
+    items: cython.longlong[:]
+    lat_out: object  # array("d"): every served request's latency, in completion order
+    lat_buf: cython.double[:]  # lat_out's buffer, sized for every arrival
+    n_lat: cython.Py_ssize_t
+    timeline: list
+    policy: object
+    load: cython.double  # S, the sum of the running batches' percentages
+    rate: cython.double
+    last: cython.double
+    busy: cython.double
+    t_fin: cython.double
+    fin_j: cython.int
+    wake: cython.double
+    queued: cython.longlong
+    decisions: cython.longlong
 
-    def reschedule() -> None:
-        nonlocal rate, t_fin, fin_j
-        rate = 1.0 if load <= 100.0 else 100.0 / load
-        t_fin, fin_j = INF, -1
-        for j in active:
-            t = last + rem[j] / rate
-            if t < t_fin:
-                t_fin, fin_j = t, j
+    def __init__(self, policy: Policy, models: Sequence[SimModel], duration_s: float,
+                 timeline_s: float) -> None:
+        n: cython.int = len(models)
+        self.n_models = n
+        self.duration_s = duration_s
+        self.timeline_s = timeline_s
+        self.policy = policy
+        self.names = [m.name for m in models]
+        self.index = {m: j for j, m in enumerate(self.names)}
+        self.slo = array("d", [m.slo_s for m in models])
+        self.cap = array("i", [m.max_batch for m in models])
+        self.max_queue = array("i", [m.max_queue for m in models])
+        self.pct = array("d", [m.percent for m in models])
+        self.table = [array("d", m.latency_s) for m in models]
+        lat_est = getattr(policy, "latency", {})
+        self.est = [lat_est.get(m) for m in self.names]
+        self.one = array("d", [e.estimate_s(1) if e is not None and e.trusted else 0.0
+                               for e in self.est])
+        self.limits = array("d", [m.slo_s - o for m, o in zip(models, self.one, strict=True)])
+        self.queues = [deque() for _ in models]
+        self.qlen = array("i", [0] * n)
+        self.qhead = array("d", [0.0] * n)
+        self.running = array("B", [0] * n)
+        self.rem = array("d", [0.0] * n)
+        self.bstart = array("d", [0.0] * n)
+        self.breuse = array("B", [0] * n)
+        self.breqs = [[] for _ in models]
+        self.active = []
+        self.views = {m: QueueView(m, 0, None, None, False) for m in self.names}
+        self.dirty = array("B", [0] * n)
+        self.arrived = array("q", [0] * n)
+        self.refused_full = array("q", [0] * n)
+        self.refused_deadline = array("q", [0] * n)
+        self.served = array("q", [0] * n)
+        self.within_slo = array("q", [0] * n)
+        self.batches = array("q", [0] * n)
+        self.items = array("q", [0] * n)
+        self.n_lat = 0
+        self.timeline = []
+        self.load = 0.0
+        self.rate = 1.0
+        self.last = 0.0
+        self.busy = 0.0
+        self.t_fin = INF
+        self.fin_j = -1
+        self.wake = INF
+        self.queued = 0
+        self.decisions = 0
 
-    def dispatch(now: float) -> None:
-        nonlocal wake, queued, load, decisions
+    @cython.cfunc
+    def advance(self, now: cython.double) -> cython.void:
+        dt: cython.double = now - self.last
+        j: cython.int
+        if dt > 0 and self.active:
+            used: cython.double = dt * self.rate
+            for j in self.active:
+                self.rem[j] -= used
+            hi: cython.double = now if now < self.duration_s else self.duration_s
+            if hi > self.last:
+                self.busy += (self.load if self.load < 100.0 else 100.0) / 100.0 * (hi - self.last)
+        self.last = now
+
+    @cython.cfunc
+    def reschedule(self) -> cython.void:
+        j: cython.int
+        t: cython.double
+        self.rate = 1.0 if self.load <= 100.0 else 100.0 / self.load
+        self.t_fin, self.fin_j = INF, -1
+        for j in self.active:
+            t = self.last + self.rem[j] / self.rate
+            if t < self.t_fin:
+                self.t_fin, self.fin_j = t, j
+
+    @cython.cfunc
+    def pop(self, j: cython.int) -> cython.double:
+        """Take the oldest queued request of model j; its arrival time."""
+        q = self.queues[j]
+        a: cython.double = q.popleft()
+        self.qlen[j] -= 1
+        if self.qlen[j]:
+            self.qhead[j] = q[0]
+        self.queued -= 1
+        return a
+
+    @cython.cfunc
+    def refuse_head(self, j: cython.int) -> cython.void:
+        """Refuse the oldest queued request of model j: it can no longer make it."""
+        self.pop(j)
+        self.refused_deadline[j] += 1
+
+    @cython.cfunc
+    def dispatch(self, now: cython.double) -> cython.void:
+        j: cython.int
+        k: cython.int
+        n: cython.int = self.n_models
+        head: cython.double
+        doom: cython.double = INF
         # Refuse the doomed (Runtime._refuse_doomed).
-        doom = INF
-        for j in range(n_models):
-            q = queues[j]
-            if not q:
+        for j in range(n):
+            if not self.qlen[j]:
                 continue
-            limit = limits[j]
-            while q and q[0] + limit < now:
-                q.popleft()
-                queued -= 1
-                counts[j].refused_deadline += 1
-                dirty[j] = True
-            if q and q[0] + limit < doom:
-                doom = q[0] + limit
-        for j in range(n_models):
-            if dirty[j]:
-                q = queues[j]
-                head = q[0] if q else None
-                views[names[j]] = QueueView(names[j], len(q), head,
-                                            None if head is None else head + slo[j], running[j])
-                dirty[j] = False
-        decisions += 1
-        d = decide(now, views)
+            limit: cython.double = self.limits[j]
+            while self.qlen[j] and self.qhead[j] + limit < now:
+                self.refuse_head(j)
+                self.dirty[j] = 1
+            if self.qlen[j]:
+                head = self.qhead[j]
+                if head + limit < doom:
+                    doom = head + limit
+        for j in range(n):
+            if self.dirty[j]:
+                name = self.names[j]
+                if self.qlen[j]:
+                    head = self.qhead[j]
+                    self.views[name] = QueueView(name, self.qlen[j], head, head + self.slo[j],
+                                                 self.running[j])
+                else:
+                    self.views[name] = QueueView(name, 0, None, None, self.running[j])
+                self.dirty[j] = 0
+        self.decisions += 1
+        d = self.policy.decide(now, self.views)
         for launch in d.launches:
-            j = index[launch.model]
-            q = queues[j]
-            if running[j] or not q:
+            j = self.index[launch.model]
+            if self.running[j] or not self.qlen[j]:
                 continue
-            k = max(1, min(launch.max_items, cap[j], len(q)))
+            k = max(1, min(launch.max_items, self.cap[j], self.qlen[j]))
             # Refuse, rather than serve late, the heads the batch would finish after
             # their deadline (Runtime._launch).
-            e = est[j]
+            e = self.est[j]
             if e is not None and e.trusted:
-                while k and q[0] + slo[j] < now + e.estimate_s(k):
-                    q.popleft()
-                    queued -= 1
+                while k and self.qhead[j] + self.slo[j] < now + e.estimate_s(k):
+                    self.refuse_head(j)
                     k -= 1
-                    counts[j].refused_deadline += 1
                 if not k:
-                    dirty[j] = True
+                    self.dirty[j] = 1
                     continue
-            reqs = [q.popleft() for _ in range(k)]
-            queued -= k
-            advance(now)
-            running[j] = True
-            rem[j] = table[j][k]
-            bstart[j] = now
-            breqs[j] = reqs
-            breuse[j] = launch.reuse
-            active.append(j)
-            load += pct[j]
-            reschedule()
-            dirty[j] = True
-        w = d.wake_at if d.wake_at is not None else INF
+            self.breqs[j] = [self.pop(j) for _ in range(k)]
+            self.advance(now)
+            self.running[j] = 1
+            self.rem[j] = self.table[j][k]
+            self.bstart[j] = now
+            self.breuse[j] = launch.reuse
+            self.active.append(j)
+            self.load += self.pct[j]
+            self.reschedule()
+            self.dirty[j] = 1
+        w: cython.double = INF if d.wake_at is None else d.wake_at
         if doom < w:
             w = doom
         if w <= now:
             w = now + _NUDGE_S
-        wake = w
+        self.wake = w
 
-    while True:
-        ta = times[i] if i < n_arr else INF
-        if ta == INF and not active and queued == 0:
-            break
-        if t_fin <= ta and t_fin <= wake:
-            now = t_fin
-            j = fin_j
-            advance(now)
-            active.remove(j)
-            load -= pct[j]
-            if not active:
-                load = 0.0  # no drift from float sums
-            running[j] = False
-            reqs = breqs[j]
-            k = len(reqs)
-            c = counts[j]
-            c.batches += 1
-            c.items += k
-            c.served += k
-            deadline_slack = now - slo[j]
-            for a in reqs:
-                lat_out.append(now - a)
-                if a >= deadline_slack:
-                    c.within_slo += 1
-            compute_s = now - bstart[j]
-            if bstart[j] < timeline_s:
-                timeline.append(BatchSpan(names[j], bstart[j], now, pct[j], k, breuse[j]))
-            e = est[j]
-            if e is not None:
-                e.observe(k, compute_s)
-                one[j] = e.estimate_s(1) if e.trusted else 0.0
-                limits[j] = slo[j] - one[j]
-            done_cb(names[j], k, compute_s, now)
-            reschedule()
-            dirty[j] = True
-            dispatch(now)
-        elif ta <= wake:
-            now = ta
-            j = model_idx[i]
-            i += 1
-            c = counts[j]
-            c.arrived += 1
-            q = queues[j]
-            if len(q) + 1 > max_queue[j]:
-                c.refused_full += 1
-                continue
-            if one[j] > slo[j]:
-                c.refused_deadline += 1
-                continue
-            q.append(now)
-            queued += 1
-            dirty[j] = True
-            if not running[j]:
-                dispatch(now)
-        elif wake < INF:
-            now = wake
-            wake = INF
-            dispatch(now)
-        else:  # requests queued but nothing will ever move them: cannot happen (doom)
-            raise AssertionError("simulator stalled with requests queued")
-    end_s = last
-    advance(max(last, duration_s))
-    return RunResult(
-        duration_s=duration_s,
-        end_s=end_s,
-        counts=dict(zip(names, counts, strict=True)),
-        latencies_s=lat_out,
-        busy_integral=busy,
-        decisions=decisions,
-        timeline=timeline,
-    )
+    @cython.cfunc
+    def complete(self, now: cython.double) -> cython.void:
+        j: cython.int = self.fin_j
+        k: cython.int
+        a: cython.double
+        self.advance(now)
+        self.active.remove(j)
+        self.load -= self.pct[j]
+        if not self.active:
+            self.load = 0.0  # no drift from float sums
+        self.running[j] = 0
+        reqs: list = self.breqs[j]
+        k = len(reqs)
+        self.batches[j] += 1
+        self.items[j] += k
+        self.served[j] += k
+        deadline_slack: cython.double = now - self.slo[j]
+        within: cython.longlong = 0
+        for a in reqs:
+            self.lat_buf[self.n_lat] = now - a
+            self.n_lat += 1
+            if a >= deadline_slack:
+                within += 1
+        self.within_slo[j] += within
+        compute_s: cython.double = now - self.bstart[j]
+        if self.bstart[j] < self.timeline_s:
+            self.timeline.append(BatchSpan(self.names[j], self.bstart[j], now, self.pct[j], k,
+                                           bool(self.breuse[j])))
+        e = self.est[j]
+        if e is not None:
+            e.observe(k, compute_s)
+            self.one[j] = e.estimate_s(1) if e.trusted else 0.0
+            self.limits[j] = self.slo[j] - self.one[j]
+        self.policy.on_batch_done(self.names[j], k, compute_s, now)
+        self.reschedule()
+        self.dirty[j] = 1
+        self.dispatch(now)
+
+    def run(self, times: cython.double[:], model_idx: cython.int[:]) -> RunResult:
+        i: cython.Py_ssize_t = 0
+        n_arr: cython.Py_ssize_t = len(times)
+        j: cython.int
+        self.lat_out = array("d", bytes(8 * n_arr))  # zeros; cut to those served below
+        self.lat_buf = self.lat_out
+        ta: cython.double
+        now: cython.double
+        while True:
+            ta = times[i] if i < n_arr else INF
+            if ta == INF and not self.active and self.queued == 0:
+                break
+            if self.t_fin <= ta and self.t_fin <= self.wake:
+                self.complete(self.t_fin)
+            elif ta <= self.wake:
+                now = ta
+                j = model_idx[i]
+                i += 1
+                self.arrived[j] += 1
+                if self.qlen[j] + 1 > self.max_queue[j]:
+                    self.refused_full[j] += 1
+                    continue
+                if self.one[j] > self.slo[j]:
+                    self.refused_deadline[j] += 1
+                    continue
+                self.queues[j].append(now)
+                self.qlen[j] += 1
+                if self.qlen[j] == 1:
+                    self.qhead[j] = now
+                self.queued += 1
+                self.dirty[j] = 1
+                if not self.running[j]:
+                    self.dispatch(now)
+            elif self.wake < INF:
+                now = self.wake
+                self.wake = INF
+                self.dispatch(now)
+            else:  # requests queued but nothing will ever move them: cannot happen (doom)
+                raise AssertionError("simulator stalled with requests queued")
+        end_s: cython.double = self.last
+        self.advance(max(self.last, self.duration_s))
+        self.lat_buf = None  # release the buffer, so the array can be cut
+        del self.lat_out[self.n_lat:]
+        counts = {
+            name: ModelCounts(self.arrived[j], self.refused_full[j], self.refused_deadline[j],
+                              self.served[j], self.within_slo[j], self.batches[j],
+                              self.items[j])
+            for j, name in enumerate(self.names)
+        }
+        return RunResult(
+            duration_s=self.duration_s,
+            end_s=end_s,
+            counts=counts,
+            latencies_s=self.lat_out,
+            busy_integral=self.busy,
+            decisions=self.decisions,
+            timeline=self.timeline,
+        )

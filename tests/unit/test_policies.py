@@ -147,6 +147,17 @@ def test_dstack_runs_each_model_in_its_slot_with_its_planned_batch() -> None:
     assert d.launches == (Launch(A, 4),)  # next cycle
 
 
+@pytest.mark.parametrize("origin", [-7.3, 0.0, 4.2])
+def test_dstack_wakes_at_the_next_slot_start_wherever_the_clock_began(origin: float) -> None:
+    # The dispatcher's clock (time.monotonic) may put the origin anywhere, below 0 too.
+    pol = dstack_policy(*two_shelf())
+    pol.origin = origin
+    idle = {A: q(A), B: q(B)}
+    assert pol.decide(origin + 0.004, idle).wake_at == pytest.approx(origin + 0.010)
+    assert pol.decide(origin + 0.010, idle).wake_at == pytest.approx(origin + 0.025)
+    assert pol.decide(origin + 0.030, idle).wake_at == pytest.approx(origin + 0.035)
+
+
 def test_dstack_reuses_a_forfeited_slot_but_never_its_neighbours_busy_one() -> None:
     pol = dstack_policy(*two_shelf())
     # A has nothing at its slot's start: the slot is forfeited, B may use it.

@@ -1,0 +1,25 @@
+"""Compiles the simulator's hot path with Cython; everything else is in pyproject.toml.
+
+The modules below are plain Python (Cython's pure-Python mode): compiled, the same source
+runs the simulator's event loop and the policies several times faster (bench/bench_simulate.py);
+where no C compiler is at hand the build says so and the package runs them as Python.
+"""
+
+from setuptools import setup
+
+COMPILED = [
+    "dstack/latency.py",
+    "dstack/policies.py",
+    "dstack/simulate/engine.py",
+]
+
+try:
+    from Cython.Build import cythonize
+except ImportError:  # pragma: no cover - the build-system table requires Cython
+    ext_modules = []
+else:
+    ext_modules = cythonize(COMPILED, language_level=3, quiet=True)
+    for ext in ext_modules:
+        ext.optional = True  # no compiler: warn and fall back to the Python source
+
+setup(ext_modules=ext_modules)
