@@ -273,7 +273,6 @@ class TemporalPolicy(SharedPolicy):
 FREE = cython.declare(cython.int, 0)
 USED = cython.declare(cython.int, 1)
 FORFEITED = cython.declare(cython.int, 2)
-_STATES = ("free", "used", "forfeited")
 _EPS = cython.declare(cython.double, 1e-9)  # times closer than this are the same instant
 _INF = cython.declare(cython.double, math.inf)
 
@@ -310,9 +309,8 @@ class SlotClock:
 
     def __init__(self, names: list, slots: list, cycle_s: float, origin: float,
                  batch: list, plan_s: list) -> None:
-        """`names`: the models; `slots`: (model index, start s, duration s, percent,
-        units) per slot; `batch` and `plan_s`: the planned batch and its latency per
-        model."""
+        """`names`: the models; `slots`: (model, start s, duration s, percent, units) per
+        slot; `batch` and `plan_s`: the planned batch and its latency per model."""
         n: cython.int = len(slots)
         n_models: cython.int = len(names)
         self.n_models = n_models
@@ -325,7 +323,7 @@ class SlotClock:
         self.origin = origin
         self.k_live = -(2**62)
         self._reset_ring(4)
-        self.s_model = array("i", [s[0] for s in slots])
+        self.s_model = array("i", [self.index[s[0]] for s in slots])
         self.s_start = array("d", [s[1] for s in slots])
         self.s_dur = array("d", [s[2] for s in slots])
         self.s_pct = array("d", [s[3] for s in slots])
@@ -334,7 +332,7 @@ class SlotClock:
                                  for i in range(n) for j in range(n)])
         own = [-1] * n_models
         for i in range(n - 1, -1, -1):
-            own[slots[i][0]] = i
+            own[self.s_model[i]] = i
         self.own = array("i", own)
         self.batch = array("i", batch)
         self.plan_s = array("d", plan_s)
@@ -358,10 +356,6 @@ class SlotClock:
         if self.occ_cycle[r] != k:
             return FREE
         return self.occ_state[r * self.n_slots + i]
-
-    def state(self, i: int, k: int) -> str:
-        """"free", "used" or "forfeited": the state of occurrence (slot i, cycle k)."""
-        return _STATES[self._state(i, k)]
 
     @cython.cfunc
     def _mark(self, i: cython.int, k: cython.long, st: cython.int) -> cython.void:
@@ -395,15 +389,9 @@ class SlotClock:
         self.occ_cycle = cycles
         self.occ_state = states
 
-    def busy_models(self) -> dict[int, tuple[float, int]]:
-        """model -> (predicted end, slot held) of every batch that may still run."""
-        return {j: (self.busy_until[j], self.busy_slot[j])
-                for j in range(self.n_models) if self.busy[j]}
-
-    @cython.ccall
-    def done(self, m: cython.int) -> cython.void:
-        """Model m's batch ended."""
-        self.busy[m] = 0
+    def done(self, model: str) -> None:
+        """The model's batch ended."""
+        self.busy[self.index[model]] = 0
 
     @cython.cfunc
     def _hold(self, m: cython.int, until: cython.double, slot: cython.int) -> cython.void:
@@ -601,8 +589,8 @@ class DStackPolicy:
     no other slot shares thus runs whenever it has work, as under `spatial`, with its
     planned batch.)
 
-    The state and the decision live in `dstack.slotclock.SlotClock` (compiled: `decide`
-    runs on every event of the dispatcher and of the simulator).
+    The state and the decision live in `SlotClock` (above; compiled, since `decide` runs
+    on every event of the dispatcher and of the simulator).
     """
 
     name = PolicyName.DSTACK
@@ -617,17 +605,14 @@ class DStackPolicy:
         self.the_schedule = the_schedule
         self.latency: dict[str, LinearLatency] = {} if latency is None else latency
         self.reuse_idle = reuse_idle
-        self._names = list(models)
-        index = {m: j for j, m in enumerate(self._names)}
-        self._index = index
-        batch = {m.model: m for m in the_plan.models}
+        planned = {m.model: m for m in the_plan.models}
         self._clock = SlotClock(
-            self._names,
-            [(index[s.model], s.start_ms / 1000, s.duration_ms / 1000, s.percent, s.units)
+            list(models),
+            [(s.model, s.start_ms / 1000, s.duration_ms / 1000, s.percent, s.units)
              for s in the_schedule.slots],
             the_schedule.cycle_ms / 1000, origin,
-            [batch[m].batch if m in batch else 1 for m in self._names],
-            [batch[m].latency_ms / 1000 if m in batch else 0.0 for m in self._names],
+            [planned[m].batch if m in planned else 1 for m in models],
+            [planned[m].latency_ms / 1000 if m in planned else 0.0 for m in models],
         )
 
     @property
@@ -662,7 +647,7 @@ class DStackPolicy:
         return self._clock.decide(now, queues, self.latency, self.reuse_idle)
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
-        self._clock.done(self._index[model])
+        self._clock.done(model)
 
 
 # --------------------------------------------------------------------------- factory
