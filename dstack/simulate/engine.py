@@ -31,6 +31,10 @@ replaced by the latency model (`dstack.simulate.latency`):
   Device utilisation is the time average of min(S, 100) over [0, duration).
 - **End.** Arrivals stop at `duration_s`; the loop then drains: queued requests are served
   or refused, so every request is accounted for exactly once.
+
+Written in Cython's pure-Python mode: setup.py compiles it (with `dstack.policies` and
+`dstack.latency`, the objects it drives), and uncompiled it runs as it reads, with the same
+results (tests/unit/test_compiled.py).
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class _Loop:
     index: dict
     slo: cython.double[:]
     cap: cython.int[:]
-    max_queue: cython.int[:]
+    max_queue: cython.longlong[:]
     pct: cython.double[:]
     table: list  # per model: L(b) in seconds, b = 0..max_batch
     est: list  # per model: the policy's LinearLatency, or None
@@ -173,7 +177,7 @@ class _Loop:
         self.index = {m: j for j, m in enumerate(self.names)}
         self.slo = array("d", [m.slo_s for m in models])
         self.cap = array("i", [m.max_batch for m in models])
-        self.max_queue = array("i", [m.max_queue for m in models])
+        self.max_queue = array("q", [m.max_queue for m in models])
         self.pct = array("d", [m.percent for m in models])
         self.table = [array("d", m.latency_s) for m in models]
         lat_est = getattr(policy, "latency", {})
