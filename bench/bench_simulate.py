@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dstack.config import PolicyName, parse_config
 from dstack.simulate import format_table, generate, simulate
+from dstack.simulate.engine import COMPILED
 from dstack.types import Profile, load_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +49,8 @@ def main() -> None:
     cfg = parse_config({"device": "cuda", "policy": "shared", "models": models})
     t0 = time.perf_counter()
     arrivals = generate("poisson", {m["name"]: 100.0 for m in models}, args.duration, args.seed)
-    print(f"workload: {arrivals.times.size} requests in {time.perf_counter() - t0:.1f} s")
+    print(f"workload: {arrivals.times.size} requests in {time.perf_counter() - t0:.1f} s; "
+          f"event loop {'compiled' if COMPILED else 'uncompiled (Python)'}")
     reports = []
     for pol in args.policies.split(","):
         cpu0 = time.process_time()

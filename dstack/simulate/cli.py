@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dstack.config import ConfigError, PolicyName, load_config
 from dstack.planning import served_profiles
+from dstack.simulate.engine import COMPILED
 from dstack.simulate.report import format_per_model, format_table
 from dstack.simulate.simulation import simulate
 from dstack.simulate.workload import WorkloadError, generate, parse_duration
@@ -46,6 +47,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     print("goodput per model (rps within SLO):")
     print(format_per_model(sim.reports))
     print(f"\nsimulated in {wall:.1f} s")
+    if not COMPILED:
+        print("(the event loop ran as Python, several times slower: the install found no C "
+              "compiler; install gcc and run `pip install -e .` again to compile it)")
     if args.plot:
         from dstack.simulate.plot import plot
 

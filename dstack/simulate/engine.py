@@ -51,6 +51,8 @@ from dstack.policies import Policy, QueueView
 
 INF = cython.declare(cython.double, math.inf)
 _NUDGE_S = cython.declare(cython.double, 1e-9)
+#: Whether this module runs compiled (setup.py; without a C compiler it runs as Python).
+COMPILED: bool = cython.compiled
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ def test_the_hot_path_is_compiled_where_a_c_compiler_is() -> None:
         pytest.skip(f"no C compiler ({cc}): the package runs its Python source")
     missing = [m.__name__ for m in COMPILED if not _compiled(m)]
     assert not missing, f"{missing} run as Python: `make setup` (pip install -e .) builds them"
+    assert dstack.simulate.engine.COMPILED  # what `dstack simulate` reports
 
 
 def _run(script_dir: Path, seeds: int) -> str:
