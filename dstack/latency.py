@@ -40,15 +40,17 @@ class LinearLatency:
         k = max(1e-6, s1 - t * b1)
         return cls(k, t)
 
-    def estimate_s(self, n: int) -> float:
+    @cython.ccall
+    def estimate_s(self, n: cython.long) -> cython.double:
         return self.k_s + self.t_s * max(n, 1)
 
-    def observe(self, n: int, seconds: float) -> None:
+    @cython.ccall
+    def observe(self, n: cython.long, seconds: cython.double) -> cython.void:
         """Move the line toward an observed (n, seconds) point, keeping its slope's sign:
         the error is split between the fixed and the per-item term in proportion to
         their share of the prediction."""
-        pred = self.estimate_s(n)
-        err = seconds - pred
+        pred: cython.double = self.estimate_s(n)
+        err: cython.double = seconds - pred
         self.observations += 1
         if pred <= 0:
             return

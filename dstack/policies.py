@@ -521,10 +521,15 @@ class SlotClock:
         for m in range(self.n_models):
             items[m] = 0
             running[m] = 0
+        m = 0
         for name, q in queues.items():
-            m = self.index[name]
+            # The views come in the policy's order (the dispatcher's and the simulator's
+            # do); any other order is looked up.
+            if m >= self.n_models or name != self.names[m]:
+                m = self.index[name]
             items[m] = q.items
             running[m] = q.running
+            m += 1
         for m in range(self.n_models):
             if self.busy[m] and not running[m]:
                 self.busy[m] = 0
