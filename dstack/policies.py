@@ -275,6 +275,7 @@ USED = cython.declare(cython.int, 1)
 FORFEITED = cython.declare(cython.int, 2)
 _EPS = cython.declare(cython.double, 1e-9)  # times closer than this are the same instant
 _INF = cython.declare(cython.double, math.inf)
+_NO_CYCLE = cython.declare(cython.long, -(2**62))  # an empty row of the occupancy ring
 
 
 @cython.cclass
@@ -321,7 +322,8 @@ class SlotClock:
         self.n_slots = n
         self.cycle_s = cycle_s
         self.origin = origin
-        self.k_live = -(2**62)
+        self.k_live = _NO_CYCLE + 1  # empty rows are never live
+        self.rows = 0
         self._reset_ring(4)
         self.s_model = array("i", [self.index[s[0]] for s in slots])
         self.s_start = array("d", [s[1] for s in slots])
@@ -375,12 +377,11 @@ class SlotClock:
         """A ring of `rows` cycles holding every live row of the current one."""
         ns = self.n_slots
         live = {}
-        if self.k_live > -(2**62):
-            for r in range(self.rows):
-                k = self.occ_cycle[r]
-                if k >= self.k_live:
-                    live[k] = [self.occ_state[r * ns + i] for i in range(ns)]
-        cycles = array("l", [-(2**62)] * rows)
+        for r in range(self.rows):
+            k = self.occ_cycle[r]
+            if k >= self.k_live:
+                live[k] = [self.occ_state[r * ns + i] for i in range(ns)]
+        cycles = array("l", [_NO_CYCLE] * rows)
         states = array("B", [FREE] * (rows * ns))
         for k, row in live.items():
             cycles[k % rows] = k
@@ -399,7 +400,7 @@ class SlotClock:
         self.busy_until[m] = until
         self.busy_slot[m] = slot
 
-    # ------------------------------------------------------------------ tests
+    # ------------------------------------------------------------------ scans
 
     @cython.ccall
     def next_start(self, now: cython.double) -> cython.double:
