@@ -4,6 +4,7 @@ compiled it decides exactly as its Python source does."""
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import shutil
 import subprocess
 import sys
@@ -60,3 +61,20 @@ def test_compiled_modules_decide_exactly_as_their_source(tmp_path: Path) -> None
     assert any("ring of" in c and "ring of 4 " not in c for c in c_lines)
     for c, s in zip(c_lines, s_lines, strict=True):
         assert c == s
+
+
+def test_a_source_changed_since_it_was_compiled_is_named() -> None:
+    if not _compiled(dstack.latency):
+        pytest.skip("nothing compiled")
+    from dstack import stale_extensions
+
+    src = ROOT / "dstack" / "latency.py"
+    ext = Path(str(dstack.latency.__file__))
+    before = src.stat()
+    assert stale_extensions() == []
+    try:
+        os.utime(src, (before.st_atime, ext.stat().st_mtime + 10))  # "edited" after the build
+        assert stale_extensions() == ["dstack/latency.py"]
+    finally:
+        os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert stale_extensions() == []
