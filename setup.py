@@ -5,21 +5,19 @@ runs the simulator's event loop and the policies several times faster (bench/ben
 where no C compiler is at hand the build says so and the package runs them as Python.
 """
 
+from Cython.Build import cythonize  # the build-system table requires it
 from setuptools import setup
 
 COMPILED = [
     "dstack/latency.py",
+    "dstack/decisions.py",
     "dstack/policies.py",
+    "dstack/dstack_policy.py",
     "dstack/simulate/engine.py",
 ]
 
-try:
-    from Cython.Build import cythonize
-except ImportError:  # pragma: no cover - the build-system table requires Cython
-    ext_modules = []
-else:
-    ext_modules = cythonize(COMPILED, language_level=3, quiet=True)
-    for ext in ext_modules:
-        ext.optional = True  # no compiler: warn and fall back to the Python source
+ext_modules = cythonize(COMPILED, language_level=3, quiet=True)
+for ext in ext_modules:
+    ext.optional = True  # no compiler: warn and fall back to the Python source
 
 setup(ext_modules=ext_modules)

@@ -21,6 +21,7 @@ import numpy as np
 from dstack.adapt import RateTracker, ReplanTrigger
 from dstack.backend import ModelStats
 from dstack.config import ConfigError, DeployConfig, ModelConfig, PolicyName
+from dstack.decisions import Policy, QueueView
 from dstack.errors import (
     BackendError,
     DeadlineRefused,
@@ -32,7 +33,6 @@ from dstack.errors import (
 from dstack.latency import LinearLatency
 from dstack.messages import BatchDone
 from dstack.planning import PolicySetup, setup_policy
-from dstack.policies import Policy, QueueView
 from dstack.slices import CpuSlices, MpsSlices, SliceBackend, SliceSpec
 from dstack.types import ModelSpec, Plan, Schedule
 from dstack.worker import WorkerConfig, WorkerHandle, WorkerState, arena_for

@@ -32,7 +32,7 @@ replaced by the latency model (`dstack.simulate.latency`):
 - **End.** Arrivals stop at `duration_s`; the loop then drains: queued requests are served
   or refused, so every request is accounted for exactly once.
 
-Written in Cython's pure-Python mode: setup.py compiles it (with `dstack.policies` and
+Written in Cython's pure-Python mode: setup.py compiles it (with the policies and
 `dstack.latency`, the objects it drives), and uncompiled it runs as it reads, with the same
 results (tests/unit/test_compiled.py).
 """
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import cython
 
-from dstack.policies import Policy, QueueView
+from dstack.decisions import Policy, QueueView
 
 INF = cython.declare(cython.double, math.inf)
 _NUDGE_S = cython.declare(cython.double, 1e-9)

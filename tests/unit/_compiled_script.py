@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import dstack.policies as policies
+import dstack.dstack_policy as dstack_policy
 from dstack.config import PolicyName, parse_config
 from dstack.latency import LinearLatency
 from dstack.policies import DStackPolicy, ModelParams, QueueView, make_policy
@@ -100,6 +100,7 @@ def simulations(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    print("compiled" if policies.__file__.endswith((".so", ".pyd")) else "source", file=sys.stderr)
+    print("compiled" if dstack_policy.__file__.endswith((".so", ".pyd")) else "source",
+          file=sys.stderr)
     histories(int(sys.argv[2]))
     simulations(Path(sys.argv[1]))

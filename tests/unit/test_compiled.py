@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+import dstack.decisions
+import dstack.dstack_policy
 import dstack.latency
 import dstack.policies
 import dstack.simulate.engine
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPILED = (dstack.latency, dstack.policies, dstack.simulate.engine)
+COMPILED = (dstack.decisions, dstack.dstack_policy, dstack.latency, dstack.policies,
+            dstack.simulate.engine)
 
 
 def _compiled(module: object) -> bool:
