@@ -21,6 +21,7 @@ from enum import StrEnum
 from multiprocessing.connection import Connection
 
 from dstack.errors import BackendError, Unavailable
+from dstack.heap import keep_heap
 from dstack.messages import (
     BatchDone,
     BatchFailed,
@@ -74,6 +75,7 @@ def _check_mps_client(cfg: WorkerConfig) -> None:
 
 def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     os.environ.update(cfg.extra_env)
+    keep_heap()  # before torch allocates anything
     try:
         enter_slice(cfg.slice)
         import torch

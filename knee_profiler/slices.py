@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dstack.heap import keep_heap
 from knee_profiler import mps
 
 
@@ -237,6 +238,7 @@ _CHILD_ENTER: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
 
 def enter_slice(mechanism: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """Child side: confine this process to its slice; returns what it observed."""
+    keep_heap()  # allocate as the server's workers do
     try:
         fn = _CHILD_ENTER[mechanism]
     except KeyError:

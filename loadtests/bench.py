@@ -53,6 +53,8 @@ DSTACK = Path(sys.executable).with_name("dstack")
 # --------------------------------------------------------------------------- ceiling
 
 _CEILING_CHILD = r"""
+from dstack.heap import keep_heap
+keep_heap()  # allocate as the server's workers do
 import json, os, sys, time, torch, models
 cores = json.loads(sys.argv[2])
 os.sched_setaffinity(0, set(cores)); torch.set_num_threads(len(cores))
