@@ -289,23 +289,25 @@ class TritonClients:
         self.inp.set_data_from_numpy(x, binary_data=True)
 
     async def window(self, duration_s: float, slo_ms: float, warmup_s: float = 0.0
-                     ) -> tuple[float, float, float]:
-        """(req/s, goodput within the SLO, p99 ms) in steady state: each client's requests
-        started after the first `warmup_s` (the first batches forming after a pause;
-        perf_analyzer likewise measures steady state) and answered within the next
-        `duration_s`, over the time from the first one's start to the last one's answer.
-        A closed-loop client's rate is one request per cycle, so this is exact; counting
-        the answers inside a fixed window instead is off by up to a whole batch (the
-        answers come in batches, in a phase that repeats from window to window)."""
+                     ) -> tuple[float, float, float, int]:
+        """(req/s, goodput within the SLO, p99 ms, requests refused) in steady state:
+        each client's requests started after the first `warmup_s` (the first batches
+        forming after a pause; perf_analyzer likewise measures steady state) and answered
+        within the next `duration_s`, over the time from the first one's start to the last
+        one's answer. A closed-loop client's rate is one request per cycle, so this is
+        exact; counting the answers inside a fixed window instead is off by up to a whole
+        batch (the answers come in batches, in a phase that repeats from window to
+        window)."""
         from tritonclient.utils import InferenceServerException
 
         lat: list[float] = []
         rps = good_rps = 0.0
+        refused = 0
         begin = time.perf_counter() + warmup_s
         end = begin + duration_s
 
         async def loop(c: Any) -> None:
-            nonlocal rps, good_rps
+            nonlocal rps, good_rps, refused
             first = last = 0.0
             answered = ok = 0
             while True:
@@ -323,6 +325,7 @@ class TritonClients:
                 if not first:
                     first = t0
                 last = t1
+                refused += not done
                 if done:
                     answered += 1
                     lat.append((t1 - t0) * 1000)
@@ -332,7 +335,8 @@ class TritonClients:
                 good_rps += ok / (last - first)
 
         await asyncio.gather(*(loop(c) for c in self.clients))
-        return rps, good_rps, float(np.percentile(lat, 99)) if lat else float("nan")
+        p99 = float(np.percentile(lat, 99)) if lat else float("nan")
+        return rps, good_rps, p99, refused
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
@@ -452,11 +456,11 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
                 # the worker's busy share (its batches' compute time from the stats) and
                 # the CPU the server and the clients spend per answered request.
                 s0, c0, m0, t0 = _stats(srv.host, model), _cpu(server), _cpu(me), time.time()
-                rps, good, p99 = await tc.window(window_s, slo, warmup_s)
+                rps, good, p99, refused = await tc.window(window_s, slo, warmup_s)
                 s1, c1, m1, t1 = _stats(srv.host, model), _cpu(server), _cpu(me), time.time()
                 n = max(1, s1["inference_count"] - s0["inference_count"])
                 out.append({"batch": b, "ceiling_items_s": ceil, "rps": rps,
-                            "goodput_rps": good, "p99_ms": p99,
+                            "goodput_rps": good, "p99_ms": p99, "refused": refused,
                             "worker_busy": (s1["compute_ns"] - s0["compute_ns"]) / 1e9 / (t1 - t0),
                             "avg_batch": n / max(1, s1["execution_count"] - s0["execution_count"]),
                             "server_cpu_ms": 1000 * (c1 - c0) / n,
@@ -479,7 +483,11 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
 
     fig = ceiling_ratio(col("goodput_rps"), col("ceiling_items_s"), col("batch"))
     return {"rps": mean("rps"), "goodput_rps": mean("goodput_rps"),
-            "p99_ms": float(np.median(col("p99_ms"))), **fig,
+            # A window can answer nothing (one did in a `make bench` run, cause not
+            # recorded): it counts as zero goodput; `refused` tells a refusal from a stall.
+            "p99_ms": float(np.nanmedian(col("p99_ms"))), **fig,
+            "refused": int(sum(col("refused"))),
+            "windows_answering_nothing": sum(r["rps"] == 0 for r in per_round),
             "rps_ratio_to_ceiling": mean("rps") / fig["ceiling_items_s"],
             **{k: mean(k) for k in ("worker_busy", "avg_batch", "server_cpu_ms",
                                     "client_cpu_ms")},
