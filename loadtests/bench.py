@@ -164,7 +164,7 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[S
 def peak_rss_mb(srv: Server) -> dict[str, float]:
     """Peak RSS (MB) of the server and each worker since they started: the kernel's
     high-water mark, read once while they still run. (Sampling the process tree on a
-    thread instead cost the measuring process ~0.3 ms of CPU per request, on the very
+    thread instead cost the measuring process ~0.2 ms of CPU per request, on the very
     cores being measured.) NaN where /proc is not there (not Linux)."""
     out = {"server": _peak_rss_mb(srv.pid)}
     for m, pid in srv.worker_pids.items():
