@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from loadtests.bench import (
     _figure,
     _free_port,
     ceiling_ratio,
+    interrupt,
     serving,
 )
 
@@ -57,19 +57,8 @@ def start_triton(python: str, port: int, log: Path, timeout_s: float = 120
                 return proc
         except OSError:
             time.sleep(0.5)
-    stop_triton(proc)
+    interrupt(proc, 30)
     raise RuntimeError(f"PyTriton not ready in {timeout_s:g} s; see {log}")
-
-
-def stop_triton(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT lets PyTriton stop its tritonserver child; kill it if it does not."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 async def measure(hosts: dict[str, str], direct: InProcess, rounds: int
@@ -111,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             res = asyncio.run(measure({"dstack": srv.host, "triton": f"http://127.0.0.1:{port}"},
                                       direct, args.rounds))
     finally:
-        stop_triton(triton)
+        interrupt(triton, 30)  # PyTriton stops its tritonserver child
     out.write_text(json.dumps(res, indent=1))
     for k in ("dstack", "triton"):
         fig = ceiling_ratio(res[k], res["ceiling"], res["batch"])

@@ -152,13 +152,19 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[S
             srv.worker_pids[m] = int(pid)
         yield srv
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        interrupt(proc, 20)
+
+
+def interrupt(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """Ctrl-C for a server we started (it stops its own children), killed by PID if it
+    has not exited after `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def peak_rss_mb(srv: Server) -> dict[str, float]:
@@ -483,8 +489,9 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
 
     fig = ceiling_ratio(col("goodput_rps"), col("ceiling_items_s"), col("batch"))
     return {"rps": mean("rps"), "goodput_rps": mean("goodput_rps"),
-            # A window can answer nothing (one did in a `make bench` run, cause not
-            # recorded): it counts as zero goodput; `refused` tells a refusal from a stall.
+            # A window can answer nothing: when the machine slows down so far that no
+            # request both starts after the warm-up and ends inside it (seen with other work
+            # running). It counts as zero goodput; `refused` tells a refusal from that.
             "p99_ms": float(np.nanmedian(col("p99_ms"))), **fig,
             "refused": int(sum(col("refused"))),
             "windows_answering_nothing": sum(r["rps"] == 0 for r in per_round),
