@@ -35,8 +35,7 @@ def keep_heap() -> bool:
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "gnu_get_libc_version"):
         return False  # musl and others: their mallopt is not glibc's
-    return bool(libc.mallopt(_M_MMAP_MAX, 0) == 1
-                and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER) == 1)
+    return libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER) == 1
 
 
 __all__ = ["keep_heap"]
