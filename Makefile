@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The install compiles the simulator's hot path (setup.py); a changed source is compiled
 # again here (only what changed), so a stale extension module never shadows it.
-$(BUILT): $(STAMP) setup.py $(wildcard dstack/*.py dstack/simulate/*.py)
+$(BUILT): $(STAMP) setup.py $(wildcard dstack/*.py dstack/*/*.py)
 	$(PY) setup.py -q build_ext --inplace
 	touch $(BUILT)
 
@@ -64,7 +64,7 @@ loadtest: $(STAMP)
 BENCH_ARGS ?=
 
 bench: $(BUILT)
-	$(PY) -m loadtests.bench $(BENCH_ARGS)
+	$(PY) -m bench.bench_mix $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,7 +4,7 @@ resnet18 served by dstack (`configs/bench-single-resnet18-shared.yaml`) and by T
 (`bench/pytriton_resnet18.py`: PyTriton's Triton server, same batching settings, the model
 in a Python process), each under 8 tritonclient aio clients in closed loop, in 1 s windows
 alternating in random order with 1 s windows of the model in process at b2, b4, b8 in turn
-(`make bench`'s method, `loadtests.bench.ceiling_ratio`). Prints each server's goodput
+(`make bench`'s method, `bench.ceiling.ceiling_ratio`). Prints each server's goodput
 against the in-process ceiling and dstack / Triton per round. PyTriton is not a dependency
 of dstack; it lives in a virtual environment of its own:
 
@@ -29,16 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtests.bench import (
-    ROOT,
-    InProcess,
-    TritonClients,
-    _figure,
-    _free_port,
-    ceiling_ratio,
-    interrupt,
-    serving,
-)
+if not __package__:  # run as a script: bench/ is on sys.path, the repository root is not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.ceiling import InProcess, ceiling_ratio, figure  # noqa: E402
+from bench.loads import TritonClients  # noqa: E402
+from bench.servers import ROOT, free_port, interrupt, serving  # noqa: E402
 
 SLO_MS = 3000.0
 
@@ -91,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     triton = start_triton(args.python, port, out.with_suffix(".log"))
     try:
         with serving(ROOT / "configs/bench-single-resnet18-shared.yaml",
@@ -104,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(res, indent=1))
     for k in ("dstack", "triton"):
         fig = ceiling_ratio(res[k], res["ceiling"], res["batch"])
-        print(f"{k:7s} {np.mean(res[k]):5.1f} req/s within SLO = {_figure(fig)}")
+        print(f"{k:7s} {np.mean(res[k]):5.1f} req/s within SLO = {figure(fig)}")
     d = np.array(res["dstack"]) / np.array(res["triton"])
     print(f"dstack / triton: {np.mean(res['dstack']) / np.mean(res['triton']):.3f} "
           f"(per round: median {np.median(d):.3f}, quartiles "

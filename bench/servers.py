@@ -1,0 +1,117 @@
+"""A real `dstack serve` for a benchmark: a subprocess on a free 127.0.0.1 port, polled on
+`/v2/health/ready`, stopped by its PID on every path (SIGINT, then kill); its peak RSS."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DSTACK = Path(sys.executable).with_name("dstack")
+
+
+@dataclass
+class Server:
+    host: str  # http://127.0.0.1:PORT
+    pid: int
+    log: Path
+    worker_pids: dict[str, int] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[Server]:
+    """A `dstack serve` subprocess on 127.0.0.1, ready; stopped by PID on every path."""
+    port = free_port()
+    host = f"http://127.0.0.1:{port}"
+    with log.open("w") as lf:
+        proc = subprocess.Popen(
+            [str(DSTACK), "serve", "--config", str(config), "--host", "127.0.0.1",
+             "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready in {ready_timeout_s:g} s")
+            try:
+                with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        srv = Server(host, proc.pid, log)
+        for m, pid in re.findall(r"worker (\S+) ready \(pid (\d+)", log.read_text()):
+            srv.worker_pids[m] = int(pid)
+        yield srv
+    finally:
+        interrupt(proc, 20)
+
+
+def interrupt(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """Ctrl-C for a server we started (it stops its own children), killed by PID if it
+    has not exited after `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def peak_rss_mb(srv: Server) -> dict[str, float]:
+    """Peak RSS (MB) of the server and each worker since they started: the kernel's
+    high-water mark, read once while they still run. (Sampling the process tree on a
+    thread instead cost the measuring process ~0.2 ms of CPU per request, on the very
+    cores being measured.) NaN where /proc is not there (not Linux)."""
+    out = {"server": _peak_rss_mb(srv.pid)}
+    for m, pid in srv.worker_pids.items():
+        out[f"worker {m}"] = _peak_rss_mb(pid)
+    return out
+
+
+def _peak_rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return float("nan")
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def model_stats(host: str, model: str) -> dict[str, int]:
+    """The server's counters for `model` (Triton's statistics extension)."""
+    s = get_json(f"{host}/v2/models/{model}/stats")["model_stats"][0]
+    return {"inference_count": s["inference_count"], "execution_count": s["execution_count"],
+            "compute_ns": s["inference_stats"]["compute_infer"]["ns"]}
+
+
+def models_of(config: Path) -> list[dict[str, Any]]:
+    """The `models` entries of a config file, as written (name, slo_ms, rate_rps, ...)."""
+    return yaml.safe_load(config.read_text())["models"]
