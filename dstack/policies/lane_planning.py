@@ -1,0 +1,146 @@
+"""The `dstack` plan: a lane plan for a config on a device (`optimizer.lanes` searches it).
+
+`plan_lanes` never refuses: a model whose batch-1 latency on the whole device exceeds its
+SLO is left out with the numbers (the policy refuses its requests as `unplanned`); every
+other model is placed in some lane, and one served below its planned rate is named.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dstack.common.config import DeployConfig
+from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend
+from dstack.common.types import (
+    ModelPlan,
+    Priority,
+    Profile,
+    Schedule,
+    Shortfall,
+    Slot,
+    SolverStatus,
+)
+from dstack.policies.lane_policy import Lane, LanePlan
+from optimizer.lanes import (
+    LaneChoice,
+    LaneInstance,
+    LaneModel,
+    Reference,
+    candidate_batches,
+    planning_latency,
+    solve_lanes,
+)
+
+#: Planning latency = the profile's p50 x (1 + this): slack against noise.
+LATENCY_MARGIN = 0.10
+
+
+def backend_of(profiles: dict[str, Profile]) -> SliceBackend:
+    """The profiles' device as a slice backend (CPU: its cores; else MPS percentages)."""
+    dev = next(iter(profiles.values())).device
+    if dev.kind == "cpu":
+        return CpuSlices(tuple(range(dev.units)))
+    return MpsSlices(dev.units)
+
+
+def lane_widths(backend: SliceBackend, profiles: dict[str, Profile]) -> tuple[float, ...]:
+    if backend.kind == "cpu":
+        n = backend.total_units
+        return tuple(100.0 * k / n for k in range(1, n + 1))
+    pcts = {float(p) for prof in profiles.values() for p in prof.percentages if 0 < p <= 100}
+    pcts.add(100.0)
+    return tuple(sorted(pcts))
+
+
+def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBackend | None,
+               rates: dict[str, float] | None = None, *,
+               margin: float = LATENCY_MARGIN) -> tuple[LanePlan, Schedule, Reference]:
+    """The lane plan, its schedule (lanes side by side, each lane's batches one after
+    another), and the baseline assignments it was compared with."""
+    from dstack.policies.planning import knee_percent, temporal_batch
+
+    t0 = time.perf_counter()
+    if backend is None:
+        backend = backend_of(profiles)
+    grow = 1.0 + cfg.rate_headroom
+    served, unserved = [], []
+    for m in cfg.models:
+        prof = profiles[m.name]
+        full = max(prof.percentages)
+        b0 = min(prof.batch_sizes)
+        fastest = prof.latency_ms(b0, full)
+        if fastest >= m.slo_ms:
+            unserved.append((m.name, f"{m.name}: batch {b0} takes {fastest:.2f} ms on the whole "
+                                     f"device, over its {m.slo_ms:g} ms SLO"))
+            continue
+        served.append(m)
+    models = []
+    for m in served:
+        prof = profiles[m.name]
+        rate = (rates or {}).get(m.name, m.rate_rps)
+        if rate <= 0:  # unknown: a device's worth of its smallest batch
+            rate = 1000.0 * min(prof.batch_sizes) / prof.latency_ms(min(prof.batch_sizes),
+                                                                   max(prof.percentages))
+        models.append(LaneModel(m.name, m.slo_ms, rate, m.priority.weight,
+                                candidate_batches(prof, m.max_batch_size),
+                                planning_latency(prof, margin=margin),
+                                low=m.priority is Priority.LOW, grown_rps=grow * rate))
+    inst = LaneInstance(tuple(models), lane_widths(backend, profiles))
+    spatial_w = temporal_caps = None
+    if models:
+        knees = {m.name: knee_percent(profiles[m.name], m.max_batch_size) for m in served}
+        spatial = backend.allocate(knees)
+        units = [u for s in spatial.values() for u in s.units]
+        if len(units) == len(set(units)):  # disjoint: expressible as lanes
+            spatial_w = [spatial[m.name].percent for m in served]
+        temporal_caps = [temporal_batch(profiles[m.name], m.slo_ms, len(served),
+                                        m.max_batch_size) for m in served]
+    choice, ref = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps)
+    plan, sched = _realise(inst, choice, backend, unserved, time.perf_counter() - t0)
+    return plan, sched, ref
+
+
+def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
+             unserved: list[tuple[str, str]], solve_s: float) -> tuple[LanePlan, Schedule]:
+    cores = tuple(backend.whole().units)
+    nxt = 0
+    lanes: list[Lane] = []
+    mplans: list[ModelPlan] = []
+    slots: list[Slot] = []
+    shortfalls = [Shortfall(m, why) for m, why in unserved]
+    cycle = max((ev.round_ms for ev in choice.lanes), default=0.0) or 1.0
+    for ev in choice.lanes:
+        if backend.kind == "cpu":
+            k = backend.slice_for(ev.width).units
+            units = cores[nxt:nxt + len(k)]
+            nxt += len(k)
+        else:
+            units = ()
+        spec = backend.slice_for(ev.width, units)
+        names = tuple(inst.models[i].name for i in ev.members)
+        lanes.append(Lane(spec.percent, units, names, ev.caps, ev.round_ms,
+                          tuple(inst.models[i].name for i in ev.members
+                                if inst.models[i].low)))
+        offset = 0.0
+        for k, i in enumerate(ev.members):
+            lm = inst.models[i]
+            mplans.append(ModelPlan(lm.name, ev.caps[k], spec.percent, ev.lat_ms[k],
+                                    ev.thr_rps[k], lm.rate_rps, ev.served_rps[k], lm.slo_ms,
+                                    1, offset))
+            slots.append(Slot(lm.name, offset, ev.lat_ms[k], spec.percent, units))
+            offset += ev.lat_ms[k]
+            if ev.served_rps[k] < lm.rate_rps * (1 - 1e-6):
+                shortfalls.append(Shortfall(lm.name, (
+                    f"{lm.name}: predicted {ev.served_rps[k]:.1f} of {lm.rate_rps:.1f} rps "
+                    f"within its {lm.slo_ms:g} ms SLO (batch {ev.caps[k]} on "
+                    f"{spec.percent:g}%, lane round {ev.round_ms:.2f} ms with "
+                    f"{len(ev.members)} model(s))")))
+    if unserved:
+        status = SolverStatus.INFEASIBLE
+    elif len(shortfalls) > 0:
+        status = SolverStatus.PARTIAL
+    else:
+        status = SolverStatus.OPTIMAL
+    plan = LanePlan(tuple(mplans), cycle, choice.value, status, solve_s, tuple(shortfalls),
+                    choice.source == "exact", lanes=tuple(lanes), unserved=tuple(unserved))
+    return plan, Schedule(cycle, tuple(slots))

@@ -1,0 +1,147 @@
+"""The `dstack` policy: lanes shared in time, earliest deadline first within a lane.
+
+The plan (`dstack.policies.lane_planning`, searched by `optimizer.lanes`) cuts the device
+into *lanes*, disjoint slices (core sets on a CPU, MPS percentages summing to <= 100 on a
+GPU). Each lane hosts one or more models; every model has a batch cap. At run time:
+
+- a lane runs one batch at a time; whenever it is idle and some model of it has queued
+  work, it starts the model whose oldest request has the earliest deadline (EDF),
+  `low`-priority models only when no other model of the lane has work;
+- the batch takes up to the model's cap, fewer where the latency estimate says a full
+  batch would end after the oldest request's deadline;
+- lanes run concurrently; nothing waits for a timer (work-conserving).
+
+One lane per model is the `spatial` shape; one 100% lane with every model is the
+`temporal` shape; tight-SLO models run more often than loose ones by EDF (multi-rate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dstack.common.config import PolicyName
+from dstack.common.slices import SliceBackend, SliceSpec
+from dstack.common.types import Plan, Schedule
+from dstack.policies.contract import Decision, Launch, ModelParams, QueueView
+from dstack.policies.latency import LinearLatency
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """A slice of `percent`% (`units`: its cores, or () on a GPU) shared in time by
+    `models`, each with its batch cap; `round_ms` is the planned round (every model one
+    capped batch), `low` the models that only use what the others leave idle."""
+
+    percent: float
+    units: tuple[int, ...]
+    models: tuple[str, ...]
+    caps: tuple[int, ...]
+    round_ms: float
+    low: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LanePlan(Plan):
+    """A `Plan` that also says how the models share lanes (its JSON form shows them)."""
+
+    lanes: tuple[Lane, ...] = ()
+    unserved: tuple[tuple[str, str], ...] = ()  # (model, reason) never launched
+
+
+class LanePolicy:
+    """The `dstack` policy over a `LanePlan` (module docstring)."""
+
+    name = PolicyName.DSTACK
+
+    def __init__(self, models: dict[str, ModelParams], backend: SliceBackend, the_plan: Plan,
+                 the_schedule: Schedule, origin: float = 0.0,
+                 latency: dict[str, LinearLatency] | None = None,
+                 reuse_idle: bool = True) -> None:
+        self.models = models
+        self.backend = backend
+        self.the_plan = the_plan
+        self.the_schedule = the_schedule
+        self.latency: Mapping[str, LinearLatency] = latency or {}
+        lanes = getattr(the_plan, "lanes", ())
+        if not lanes:  # a plain Plan: one lane per planned model
+            lanes = tuple(Lane(m.percent, (), (m.model,), (m.batch,), m.latency_ms)
+                          for m in the_plan.models)
+        self.lanes: tuple[Lane, ...] = tuple(lanes)
+        self._unserved = dict(getattr(the_plan, "unserved", ()))
+        planned = {m for lane in self.lanes for m in lane.models}
+        for m in models:
+            if m not in planned and m not in self._unserved:
+                why = {s.model: s.reason for s in the_plan.shortfalls}
+                self._unserved[m] = why.get(m, "not in the plan")
+        self._cap = {m: c for lane in self.lanes for m, c in zip(lane.models, lane.caps,
+                                                                  strict=True)}
+        # Per lane, its models in decision order: (name, is_low).
+        self._members = [tuple((m, m in lane.low) for m in lane.models) for lane in self.lanes]
+
+    # ------------------------------------------------------------------ contract
+
+    def slices(self) -> dict[str, SliceSpec]:
+        out: dict[str, SliceSpec] = {}
+        for lane in self.lanes:
+            spec = self.backend.slice_for(lane.percent, lane.units)
+            for m in lane.models:
+                out[m] = spec
+        first = next(iter(out.values()), None) or self.backend.whole()
+        for m in self.models:
+            out.setdefault(m, first)  # never launched; its worker idles
+        return out
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
+        launches: list[Launch] = []
+        for members in self._members:
+            best: QueueView | None = None
+            best_key = (2, 0.0)
+            for m, low in members:
+                q = queues.get(m)
+                if q is None:
+                    continue
+                if q.running:
+                    best = None
+                    break  # the lane is busy
+                if q.items <= 0:
+                    continue
+                dl = q.head_deadline if q.head_deadline is not None else float("inf")
+                key = (1 if low else 0, dl)
+                if best is None or key < best_key:
+                    best, best_key = q, key
+            else:
+                if best is not None:
+                    launches.append(Launch(best.model, self._batch(best, now), False))
+        return Decision(tuple(launches), None)
+
+    def _batch(self, q: QueueView, now: float) -> int:
+        n = max(1, min(q.items, self._cap.get(q.model, 1)))
+        est = self.latency.get(q.model)
+        if est is None or q.head_deadline is None:
+            return n
+        budget = q.head_deadline - now
+        while n > 1 and est.estimate_s(n) > budget:
+            n -= 1
+        return n
+
+    def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
+        return None
+
+    def use_estimates(self, estimates: Mapping[str, LinearLatency]) -> None:
+        self.latency = estimates
+
+    def reanchor(self, now: float) -> None:
+        return None
+
+    def batch_cap(self, model: str) -> int:
+        return self._cap.get(model, 1)
+
+    def unserved(self) -> Mapping[str, str]:
+        return dict(self._unserved)
+
+    def plan(self) -> Plan | None:
+        return self.the_plan
+
+    def schedule(self) -> Schedule | None:
+        return self.the_schedule

@@ -1,0 +1,397 @@
+"""Lane plans: cut the device into lanes, share each lane in time, pick caps and widths.
+
+Formulation (docs/optimizer.md, "Lane plans")
+---------------------------------------------
+Data. Models m with weight w_m (priority), SLO S_m (ms), planned rate r_m (rps), candidate
+batch caps B_m, and a planning latency L_m(b, p) (ms): the profile's latency with a margin,
+for batch b on a slice of p percent. Lane widths W (percent): on a CPU the core counts
+(100 k / U), on a GPU the profiled MPS percentages; the device holds at most 100%.
+
+A *lane* l = (M_l, p_l, b) is a set of models sharing a slice of width p_l in time, each
+with a batch cap b_m. The runtime runs one batch at a time per lane, earliest deadline
+first, work-conserving. When every model of the lane is saturated a round lasts
+
+    R_l = sum_{m in M_l} L_m(b_m, p_l)
+
+A request may arrive just after its model's batch started, wait for a round and run, so
+its model meets its SLO when R_l + L_m(b_m, p_l) <= S_m; where that fails we credit the
+fraction f_m = clamp((S_m - L_m) / R_l, 0, 1) of requests (a wait spread over the round).
+Its throughput is at most 1000 b_m / R_l, so the predicted goodput of the lane is
+
+    G_l = sum_m w_m f_m min(r_m, 1000 b_m / R_l)
+
+A *lane plan* partitions the served models into lanes with sum_l p_l <= 100 and maximises
+G = sum_l G_l, then (lexicographically) the robustness H = sum_l sum_m w_m min(f_m 1000
+b_m / R_l, 2 r_m) (capacity beyond the planned rate, up to twice it, for bursts).
+
+Search. For one (M, p) the caps come from a scan over the round target R*: every model
+takes the largest cap with L_m(b, p) <= S_m - R*, then the model with the most surplus
+(b_m against r_m R*) steps down until R_l <= R*. Over lanes: the exact subset dynamic
+programme (every set partition of up to `EXACT_MAX` models, widths as a multiple-choice
+knapsack in units of the widths' common step) and, for larger instances, greedy merges
+of lanes starting from one lane per model, each partition's widths again by the knapsack.
+The spatial assignment (one lane per model, the `spatial` baseline's widths) and the
+temporal assignment (one 100% lane, the `temporal` baseline's batches) are always scored
+too, so the plan's predicted goodput is never below either.
+
+A model whose batch-1 latency on the whole device exceeds its SLO cannot be served by
+any plan: it is left out (the policy refuses its requests) and named with its numbers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import reduce
+
+from dstack.common.types import Profile
+
+EXACT_MAX = 6  # models: up to this many, every set partition (Bell(6) = 203)
+EPS = 1e-9
+
+Latency = Callable[[int, float], float]  # (batch, percent) -> ms
+
+
+@dataclass(frozen=True, slots=True)
+class LaneModel:
+    name: str
+    slo_ms: float
+    rate_rps: float  # planned rate r_m
+    weight: float
+    batches: tuple[int, ...]  # candidate caps, ascending
+    latency: Latency  # planning latency L(b, p) in ms
+    low: bool = False  # low priority: runs only when the lane has nothing else
+    grown_rps: float = 0.0  # r_m with the configured headroom (0: the same as r_m)
+
+    @property
+    def grown(self) -> float:
+        return max(self.grown_rps, self.rate_rps)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneInstance:
+    models: tuple[LaneModel, ...]
+    widths: tuple[float, ...]  # allowed lane widths (percent), ascending
+    capacity: float = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class LaneEval:
+    """One lane, scored."""
+
+    members: tuple[int, ...]  # model indices
+    width: float
+    caps: tuple[int, ...]
+    lat_ms: tuple[float, ...]
+    round_ms: float
+    fraction: tuple[float, ...]  # f_m
+    served_rps: tuple[float, ...]
+    thr_rps: tuple[float, ...]
+    value: float  # G_l
+    robust: float  # H_l
+    grown: float = 0.0  # G_l at the grown rates
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        return (self.value, self.grown, self.robust)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneChoice:
+    """A scored lane plan over an instance."""
+
+    lanes: tuple[LaneEval, ...]
+    value: float
+    robust: float
+    source: str = ""  # "exact" | "greedy" | "spatial" | "temporal"
+
+    @property
+    def grown(self) -> float:
+        return sum(e.grown for e in self.lanes)
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        return (self.value, self.grown, self.robust)
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def planning_latency(profile: Profile, *, margin: float = 0.10) -> Latency:
+    """L(b, p) in ms for planning: the profile's p50 grown by `margin`, with the
+    simulator's interpolation rules (a percent rounds down to a measured one, below the
+    smallest it scales as work-conserving; a batch interpolates linearly between profiled
+    ones and extrapolates above the largest)."""
+    measured = sorted(profile.percentages)
+    bs = sorted(profile.batch_sizes)
+    cache: dict[tuple[int, float], float] = {}
+
+    def lat(batch: int, percent: float) -> float:
+        hit = cache.get((batch, percent))
+        if hit is not None:
+            return hit
+        scale = 1.0
+        if percent < measured[0] - 1e-9:
+            scale, p = measured[0] / max(percent, 1e-9), measured[0]
+        else:
+            p = measured[bisect.bisect_right(measured, percent + 1e-9) - 1]
+        ys = [profile.latency_ms(b, p) for b in bs]
+        if len(bs) == 1:
+            y = ys[0] * max(1.0, batch / bs[0])
+        elif batch <= bs[0]:
+            y = ys[0]
+        else:
+            i = min(bisect.bisect_left(bs, batch), len(bs) - 1)
+            b0, b1, y0, y1 = bs[i - 1], bs[i], ys[i - 1], ys[i]
+            y = y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+            if batch > bs[-1]:
+                y = max(y, ys[-1])
+        out = y * scale * (1.0 + margin)
+        cache[(batch, percent)] = out
+        return out
+
+    return lat
+
+
+def candidate_batches(profile: Profile, max_batch: int) -> tuple[int, ...]:
+    """Profiled batch sizes and powers of two up to `max_batch`, and `max_batch`."""
+    out = {b for b in profile.batch_sizes if b <= max_batch}
+    b = 1
+    while b <= max_batch:
+        out.add(b)
+        b *= 2
+    out.add(max_batch)
+    return tuple(sorted(out))
+
+
+# --------------------------------------------------------------------------- one lane
+
+
+def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
+               caps: Sequence[int]) -> LaneEval:
+    """G_l and H_l of the lane `members` on `width`% with batch caps `caps`."""
+    ms = [inst.models[i] for i in members]
+    lat = [m.latency(b, width) for m, b in zip(ms, caps, strict=True)]
+    rnd = sum(lat)
+    frac, served, thr = [], [], []
+    value = robust = grown = 0.0
+    for m, b, lm in zip(ms, caps, lat, strict=True):
+        f = min(1.0, max(0.0, (m.slo_ms - lm) / rnd)) if rnd > 0 else 0.0
+        t = 1000.0 * b / rnd if rnd > 0 else 0.0
+        s = f * min(m.rate_rps, t)
+        frac.append(f)
+        served.append(s)
+        thr.append(t)
+        value += m.weight * s
+        grown += m.weight * f * min(m.grown, t)
+        robust += m.weight * min(f * t, 2.0 * m.grown)
+    return LaneEval(tuple(members), width, tuple(caps), tuple(lat), rnd, tuple(frac),
+                    tuple(served), tuple(thr), value, robust, grown)
+
+
+def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneEval:
+    """The best caps for one lane by the scan over round targets R* (module docstring)."""
+    ms = [inst.models[i] for i in members]
+    tabs = [[m.latency(b, width) for b in m.batches] for m in ms]
+    n = len(ms)
+    lo = sum(t[0] for t in tabs)
+    targets = {lo}
+    for m, t in zip(ms, tabs, strict=True):
+        targets.update(m.slo_ms - x for x in t if m.slo_ms - x > lo)
+    best = score_lane(inst, members, width, [m.batches[0] for m in ms])
+    for rs in sorted(targets):
+        idx = []
+        for m, t in zip(ms, tabs, strict=True):
+            j = bisect.bisect_right(t, m.slo_ms - rs + EPS) - 1
+            idx.append(max(j, 0))
+        total = sum(t[j] for t, j in zip(tabs, idx, strict=True))
+        while total > rs + EPS:
+            down = [k for k in range(n) if idx[k] > 0]
+            if not down:
+                break
+            k = max(down, key=lambda k: ms[k].batches[idx[k]]
+                    / max(ms[k].rate_rps * rs / 1000.0, 1e-9))
+            total -= tabs[k][idx[k]] - tabs[k][idx[k] - 1]
+            idx[k] -= 1
+        ev = score_lane(inst, members, width,
+                        [m.batches[j] for m, j in zip(ms, idx, strict=True)])
+        if ev.key > best.key:
+            best = ev
+    return best
+
+
+# --------------------------------------------------------------------------- lane plans
+
+
+class _Lanes:
+    """Memoised best lanes and the width knapsack over an instance."""
+
+    def __init__(self, inst: LaneInstance) -> None:
+        self.inst = inst
+        ints = [round(w * 1000) for w in inst.widths]
+        self.step = reduce(math.gcd, ints + [round(inst.capacity * 1000)])
+        self.units = {w: round(w * 1000) // self.step for w in inst.widths}
+        self.cap_units = round(inst.capacity * 1000) // self.step
+        self._memo: dict[tuple[int, float], LaneEval] = {}
+
+    def lane(self, mask: int, width: float) -> LaneEval:
+        key = (mask, width)
+        ev = self._memo.get(key)
+        if ev is None:
+            members = [i for i in range(len(self.inst.models)) if mask >> i & 1]
+            ev = self._memo[key] = best_lane(self.inst, members, width)
+        return ev
+
+    def widths_for(self, masks: Sequence[int]) -> tuple[tuple[float, float, float], list[LaneEval]]:
+        """Multiple-choice knapsack: one width per lane, total <= capacity, best key."""
+        # states: units used -> (key, chosen lanes)
+        states: dict[int, tuple[tuple[float, float, float], list[LaneEval]]] = {0: ((0.0, 0.0, 0.0), [])}
+        for mask in masks:
+            nxt: dict[int, tuple[tuple[float, float, float], list[LaneEval]]] = {}
+            for used, (key, chosen) in states.items():
+                for w in self.inst.widths:
+                    u = used + self.units[w]
+                    if u > self.cap_units:
+                        continue
+                    ev = self.lane(mask, w)
+                    k2 = (key[0] + ev.value, key[1] + ev.grown, key[2] + ev.robust)
+                    old = nxt.get(u)
+                    if old is None or k2 > old[0]:
+                        nxt[u] = (k2, [*chosen, ev])
+            states = nxt
+        if not states:
+            return (-math.inf, -math.inf, -math.inf), []
+        return max(states.values(), key=lambda s: s[0])
+
+    def exact(self) -> LaneChoice:
+        """Every set partition, widths by the knapsack: a subset DP over (mask, units)."""
+        n = len(self.inst.models)
+        full = (1 << n) - 1
+        memo: dict[tuple[int, int], tuple[tuple[float, float, float], tuple[LaneEval, ...]]] = {}
+
+        def go(mask: int, cap: int) -> tuple[tuple[float, float, float], tuple[LaneEval, ...]]:
+            if mask == 0:
+                return (0.0, 0.0, 0.0), ()
+            hit = memo.get((mask, cap))
+            if hit is not None:
+                return hit
+            low = mask & -mask
+            rest = mask ^ low
+            best: tuple[tuple[float, float, float], tuple[LaneEval, ...]] = (
+                (-math.inf, -math.inf, -math.inf), ())
+            sub = rest
+            while True:
+                lane_mask = sub | low
+                for w in self.inst.widths:
+                    u = self.units[w]
+                    if u > cap:
+                        continue
+                    key, lanes = go(mask ^ lane_mask, cap - u)
+                    if key[0] == -math.inf:
+                        continue
+                    ev = self.lane(lane_mask, w)
+                    k2 = (key[0] + ev.value, key[1] + ev.grown, key[2] + ev.robust)
+                    if k2 > best[0]:
+                        best = (k2, (ev, *lanes))
+                if sub == 0:
+                    break
+                sub = (sub - 1) & rest
+            memo[(mask, cap)] = best
+            return best
+
+        key, lanes = go(full, self.cap_units)
+        return LaneChoice(lanes, key[0], key[2], "exact")
+
+    def greedy(self) -> LaneChoice:
+        """One lane per model, then merge the pair of lanes that improves most, repeat."""
+        n = len(self.inst.models)
+        masks = [1 << i for i in range(n)]
+        key, lanes = self.widths_for(masks)
+        while len(masks) > 1:
+            best = None
+            for a in range(len(masks)):
+                for b in range(a + 1, len(masks)):
+                    merged = [m for k, m in enumerate(masks) if k not in (a, b)]
+                    merged.append(masks[a] | masks[b])
+                    k2, l2 = self.widths_for(merged)
+                    if k2 > key and (best is None or k2 > best[0]):
+                        best = (k2, l2, merged)
+            if best is None:
+                break
+            key, lanes, masks = best
+        return LaneChoice(tuple(lanes), key[0], key[2], "greedy")
+
+
+def choice_of(inst: LaneInstance,
+              lanes: Sequence[tuple[Sequence[int], float, Sequence[int] | None]],
+              source: str) -> LaneChoice:
+    """Score a given assignment: (members, width, caps or None for the best caps)."""
+    evs = []
+    for members, width, caps in lanes:
+        evs.append(best_lane(inst, members, width) if caps is None
+                   else score_lane(inst, members, width, caps))
+    return LaneChoice(tuple(evs), sum(e.value for e in evs), sum(e.robust for e in evs), source)
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """The baselines' assignments, scored as lane plans (None where not a lane plan)."""
+
+    spatial: LaneChoice | None = None
+    temporal: LaneChoice | None = None
+    candidates: tuple[LaneChoice, ...] = field(default_factory=tuple)
+
+
+def solve_lanes(inst: LaneInstance, *,
+                spatial_widths: Sequence[float] | None = None,
+                temporal_caps: Sequence[int] | None = None,
+                exact_max: int = EXACT_MAX) -> tuple[LaneChoice, Reference]:
+    """The best lane plan found, and the scored baseline assignments it was compared with.
+
+    `spatial_widths`: each model's own lane width under `spatial` (None: not expressible
+    as lanes, e.g. more models than cores); `temporal_caps`: each model's batch under
+    `temporal` on one 100% lane."""
+    n = len(inst.models)
+    if n == 0:
+        return LaneChoice((), 0.0, 0.0, "empty"), Reference()
+    lanes = _Lanes(inst)
+    search = lanes.exact() if n <= exact_max else lanes.greedy()
+    spatial = temporal = None
+    if spatial_widths is not None and sum(spatial_widths) <= inst.capacity + 1e-6:
+        spatial = choice_of(inst, [((i,), w, None) for i, w in enumerate(spatial_widths)],
+                            "spatial")
+    if temporal_caps is not None:
+        temporal = choice_of(inst, [(tuple(range(n)), inst.capacity, temporal_caps)],
+                             "temporal")
+    cands = [c for c in (search, spatial, temporal) if c is not None]
+    best = max(cands, key=lambda c: c.key)
+    return best, Reference(spatial, temporal, tuple(cands))
+
+
+def set_partitions(items: Sequence[int]) -> list[list[list[int]]]:
+    """Every partition of `items` into non-empty blocks (for brute force)."""
+    if not items:
+        return [[]]
+    first, rest = items[0], items[1:]
+    out = []
+    for part in set_partitions(rest):
+        out.append([[first], *part])
+        for k in range(len(part)):
+            out.append([*part[:k], [first, *part[k]], *part[k + 1:]])
+    return out
+
+
+def brute_force(inst: LaneInstance) -> float:
+    """The best G over every set partition and every width per lane (tests, small n)."""
+    import itertools
+
+    best = -math.inf
+    for part in set_partitions(list(range(len(inst.models)))):
+        for ws in itertools.product(inst.widths, repeat=len(part)):
+            if sum(ws) > inst.capacity + 1e-6:
+                continue
+            best = max(best, sum(best_lane(inst, block, w).value
+                                 for block, w in zip(part, ws, strict=True)))
+    return best
