@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint loadtest bench clean
+.PHONY: setup serve test lint loadtest bench bench-closed-loop bench-policies clean
 
 setup: $(BUILT)
 
@@ -65,6 +65,23 @@ BENCH_ARGS ?=
 
 bench: $(BUILT)
 	$(PY) -m bench.bench_mix $(BENCH_ARGS)
+
+# The four policies on the bench mix under closed-loop clients (2 tritonclient clients per
+# model, each sending its next request when the last is answered) for CLOSED_LOOP_DURATION
+# each; outcomes per model, 429s by reason, in out/bench/closed_loop.json (~3 minutes).
+CLOSED_LOOP_DURATION ?= 10s
+CLOSED_LOOP_ARGS ?=
+
+bench-closed-loop: $(BUILT)
+	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) $(CLOSED_LOOP_ARGS)
+
+# The policy suite in the simulator: 40 seeded random mixes and reference-v100, every
+# policy, dstack against the best baseline and the ideal bound (docs/simulator.md; a few
+# minutes). Flags, e.g.: BENCH_POLICIES_ARGS="--mixes 60 --seed 2 --jobs 2 --duration 60".
+BENCH_POLICIES_ARGS ?=
+
+bench-policies: $(BUILT)
+	$(PY) -m bench.bench_policies $(BENCH_POLICIES_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,10 +9,11 @@ from Cython.Build import cythonize  # the build-system table requires it
 from setuptools import setup
 
 COMPILED = [
-    "dstack/latency.py",
-    "dstack/decisions.py",
-    "dstack/policies.py",
-    "dstack/dstack_policy.py",
+    "dstack/policies/latency.py",
+    "dstack/policies/contract.py",
+    "dstack/policies/baselines.py",
+    "dstack/policies/dstack_policy.py",
+    "dstack/runtime/dispatch.py",
     "dstack/simulate/engine.py",
 ]
 

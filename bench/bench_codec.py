@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dstack.types import DType, ModelSpec, TensorSpec
+from dstack.common.types import DType, ModelSpec, TensorSpec
 from server import codec
 
 SHAPE = (1, 3, 224, 224)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dstack.config import parse_config
-from dstack.runtime import Runtime
-from dstack.types import Cell, DeviceInfo, Profile
+from dstack.common.config import parse_config
+from dstack.common.types import Cell, DeviceInfo, Profile
+from dstack.runtime.serving import Runtime
 
 
 def profiles(directory: Path, model: str, knee: float) -> None:

@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from dstack.types import Cell, DeviceInfo, ModelSLO, Priority, Profile
+from dstack.common.types import Cell, DeviceInfo, ModelSLO, Priority, Profile
 from optimizer import SolveOptions, pack, solve, validate_schedule
 
 BATCHES = (1, 2, 4, 8, 16, 32)

@@ -16,10 +16,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dstack.config import PolicyName, parse_config
+from dstack.common.config import PolicyName, parse_config
+from dstack.common.types import Profile, load_profiles
 from dstack.simulate import format_table, generate, simulate
 from dstack.simulate.engine import COMPILED
-from dstack.types import Profile, load_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dstack.heap import keep_heap  # noqa: E402
+from dstack.common.heap import keep_heap  # noqa: E402
 
 keep_heap()
 import numpy as np  # noqa: E402

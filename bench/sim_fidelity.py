@@ -1,7 +1,7 @@
 """Fidelity: the same arrivals on the real CPU runtime and in the simulator, side by side.
 
 For each policy: one Poisson workload (`dstack.simulate.generate`, fixed seed) is replayed
-open-loop against `dstack.runtime.Runtime` in this process (real worker processes on
+open-loop against `dstack.runtime.serving.Runtime` in this process (real worker processes on
 this machine's cores, `await rt.infer(...)` at each arrival instant, no HTTP, so the
 numbers are the runtime's and not the web stack's), and simulated with the committed CPU
 profiles (`profiles/cpu/`). Prints goodput, SLO attainment, p50/p99 of answered requests
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dstack.config import parse_config
-from dstack.errors import DeadlineRefused, Overloaded
-from dstack.planning import served_profiles
-from dstack.runtime import Runtime
+from dstack.common.config import parse_config
+from dstack.common.errors import DeadlineRefused, Overloaded
+from dstack.policies.planning import served_profiles
+from dstack.runtime.serving import Runtime
 from dstack.simulate import generate, simulate
 
 ROOT = Path(__file__).resolve().parent.parent

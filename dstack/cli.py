@@ -32,11 +32,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from dstack.config import ConfigError, load_config
-    from dstack.planning import plan_for, served_profiles
-    from dstack.schedule import build_schedule
-    from dstack.slices import CpuSlices
-    from dstack.types import SolverStatus
+    from dstack.common.config import ConfigError, load_config
+    from dstack.common.slices import CpuSlices
+    from dstack.common.types import SolverStatus
+    from dstack.policies.planning import plan_for, served_profiles
+    from dstack.policies.schedule import build_schedule
     from optimizer.cli import draw_gantt, format_plan
 
     cfg = load_config(args.config)
@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dstack.config import ConfigError
-    from dstack.types import ProfileError
+    from dstack.common.config import ConfigError
+    from dstack.common.types import ProfileError
 
     parser = build_parser()
     args = parser.parse_args(argv)

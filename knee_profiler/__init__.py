@@ -1,7 +1,7 @@
 """knee_profiler: latency over batch size x slice %, each model's knee, profile files.
 
 Runs on a bare machine with torch, numpy and tqdm (matplotlib only for `plot`): it imports
-nothing of the server, the optimizer or the runtime, only `dstack.types` and `models`.
+nothing of the server, the optimizer or the runtime, only `dstack.common.types` and `models`.
 Entry point: `knee-profiler` / `python -m knee_profiler.cli`. The library pieces:
 `knee.knee` / `knee.knee_max_curvature` (pure), `sweep.sweep` (measure),
 `table.import_table`, `report.format_table`, `plot.plot_profiles`.

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dstack.types import ProfileError, load_profile
+from dstack.common.types import ProfileError, load_profile
 from knee_profiler.knee import DEFAULT_EPSILON
 
 

@@ -1,9 +1,9 @@
-"""The MPS control-daemon helpers now live in `dstack.mps` (the runtime needs them too);
+"""The MPS control-daemon helpers now live in `dstack.common.mps` (the runtime needs them too);
 re-exported here so the profiler's imports stay as they were."""
 
 from __future__ import annotations
 
-from dstack.mps import (
+from dstack.common.mps import (
     CONTROL,
     MpsError,
     PrivateDaemon,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from dstack.types import Profile
+from dstack.common.types import Profile
 from knee_profiler.report import curves, knee_of
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dstack.types import Profile
+from dstack.common.types import Profile
 from knee_profiler.knee import knee, knee_max_curvature
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dstack.heap import keep_heap
+from dstack.common.heap import keep_heap
 from knee_profiler import mps
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dstack.types import Cell, DeviceInfo, Profile, ProfileError, load_profile
+from dstack.common.types import Cell, DeviceInfo, Profile, ProfileError, load_profile
 from knee_profiler.knee import knee_max_curvature, knees
 from knee_profiler.messages import CellResult, ChildDone, ChildError, MeasureRequest, decode
 from knee_profiler.slices import Slice, SliceMechanism, cpu_name, make_mechanism

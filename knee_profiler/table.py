@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dstack.types import Cell, DeviceInfo, Profile
+from dstack.common.types import Cell, DeviceInfo, Profile
 from knee_profiler.knee import DEFAULT_EPSILON, knee_max_curvature, knees
 
 REFERENCE_DEVICE = DeviceInfo("reference", "V100 (presumed, ~80 SMs)", 80, "SMs")

@@ -90,7 +90,7 @@ def parse_slos(spec: str | None, config: str | None, models: list[str]) -> dict[
             if "slo_ms" in m:
                 slos[m["name"]] = float(m["slo_ms"])
             else:
-                slos[m["name"]] = 100.0  # dstack.config's default slo_ms
+                slos[m["name"]] = 100.0  # dstack.common.config's default slo_ms
     if spec:
         if "=" not in spec:
             slos.update(dict.fromkeys(models, float(spec)))

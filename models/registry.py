@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dstack.types import DType, ModelSpec, TensorSpec
+from dstack.common.types import DType, ModelSpec, TensorSpec
 
 DEFAULT_MAX_BATCH = 64
 

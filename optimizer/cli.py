@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstack.types import Plan, Schedule
+from dstack.common.types import Plan, Schedule
 from optimizer.packing import pack
 from optimizer.solve import rate_pair
 

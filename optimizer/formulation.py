@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dstack.types import ModelSLO, Profile, ProfileError
+from dstack.common.types import ModelSLO, Profile, ProfileError
 
 REL_TOL = 1e-9
 

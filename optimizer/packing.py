@@ -2,7 +2,7 @@
 
 The minimal packer puts each model's one batch per cycle at its shelf's start
 (`ModelPlan.offset_ms`) for its predicted latency on its slice. The runtime's schedule
-builder (`dstack/schedule.py`) may do more (reuse idle capacity); `validate_schedule`
+builder (`dstack/policies/schedule.py`) may do more (reuse idle capacity); `validate_schedule`
 is the contract both satisfy.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dstack.types import Plan, Schedule, Slot
+from dstack.common.types import Plan, Schedule, Slot
 
 EPS = 1e-6
 

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from dstack.types import (
+from dstack.common.types import (
     ModelPlan,
     ModelSLO,
     Plan,

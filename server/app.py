@@ -19,9 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dstack.backend import InferenceBackend, ModelStats
-from dstack.errors import DStackError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
-from dstack.types import ModelSpec, TensorSpec
+from dstack.common.backend import InferenceBackend, ModelStats
+from dstack.common.errors import (
+    DStackError,
+    ModelNotFound,
+    PayloadTooLarge,
+    RequestError,
+    Unavailable,
+)
+from dstack.common.types import ModelSpec, TensorSpec
 from server import codec
 from server.metrics import CONTENT_TYPE, Metrics
 
@@ -138,6 +144,9 @@ def create_app(
     async def _dstack_error(_: Request, e: DStackError) -> JSONResponse:
         if e.status_code >= 500:
             log.warning("%s: %s", type(e).__name__, e.message)
+        if e.rule is not None:  # a refusal: say which rule refused it
+            return JSONResponse({"error": e.message, "reason": e.rule},
+                                status_code=e.status_code)
         return _error(e.status_code, e.message)
 
     @app.exception_handler(StarletteHTTPException)

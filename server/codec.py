@@ -14,7 +14,7 @@ Speed: tensors are never walked element by element in Python. Binary tensors are
 4x faster than the stdlib on a 1x3x224x224 list of floats) and the flat `data` list turned
 into an array by `np.asarray`; JSON outputs are serialized by orjson straight from numpy.
 
-Imports only numpy, orjson, the standard library and `dstack.types` / `dstack.errors`,
+Imports only numpy, orjson, the standard library and `dstack.common.types` / `dstack.common.errors`,
 so that load-test clients can use it without the server.
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from dstack.errors import BackendError, RequestError
-from dstack.types import DType, ModelSpec, TensorSpec
+from dstack.common.errors import BackendError, RequestError
+from dstack.common.types import DType, ModelSpec, TensorSpec
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """HTTP header giving the JSON header's length when binary tensors follow it."""

@@ -16,8 +16,8 @@ from typing import Protocol
 import uvicorn
 from fastapi import FastAPI
 
-from dstack.backend import InferenceBackend
-from dstack.config import DeployConfig, load_config
+from dstack.common.backend import InferenceBackend
+from dstack.common.config import DeployConfig, load_config
 from server.app import create_app
 
 log = logging.getLogger("dstack.server")
@@ -30,10 +30,10 @@ class Startable(InferenceBackend, Protocol):
 
 
 def build_app(cfg: DeployConfig, runtime: Startable | None = None) -> FastAPI:
-    """The app over `runtime` (default: a `dstack.runtime.Runtime` for `cfg`), started
+    """The app over `runtime` (default: a `dstack.runtime.serving.Runtime` for `cfg`), started
     and stopped by the app's lifespan."""
     if runtime is None:
-        from dstack.runtime import Runtime  # heavy (torch): imported only when serving
+        from dstack.runtime.serving import Runtime  # heavy (torch): imported only when serving
 
         runtime = Runtime(cfg)
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dstack.backend import InferenceBackend
+from dstack.common.backend import InferenceBackend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FAILURE_REASONS = ("rejected", "slo_refused", "backend", "unavailable")
@@ -84,6 +84,11 @@ class BackendCollector(Collector):
         refused = _counter(
             "dstack_request_refused", "Requests refused by the runtime (queue full or deadline)"
         )
+        by_rule = _counter(
+            "dstack_request_refused_by_rule",
+            "Requests refused, by the rule that refused them (queue_full, unplanned, "
+            "work_ahead, expired)",
+        )
         pending = GaugeMetricFamily(
             "nv_inference_pending_request_count",
             "Requests queued or running now",
@@ -104,6 +109,7 @@ class BackendCollector(Collector):
             "dstack_batch_size", "Batch size the policy aims for now", labels=["model"]
         )
         cap_of = getattr(b, "current_batch_cap", None)
+        rules_of = getattr(b, "refusals", None)
         slice_of = getattr(b, "current_slice", None)
         for model in b.model_names():
             s = b.stats(model)
@@ -121,6 +127,9 @@ class BackendCollector(Collector):
             compute.add_sample("nv_inference_compute_infer_duration_us", mv, s.compute_ns / 1000)
             slo_met.add_sample("dstack_request_slo_met", mv, s.slo_met)
             refused.add_sample("dstack_request_refused", mv, s.refused)
+            if rules_of is not None:
+                for rule, k in rules_of(model).items():
+                    by_rule.add_sample("dstack_request_refused_by_rule", {**mv, "rule": rule}, k)
             pending.add_metric([model, v], s.pending)
             attain.add_metric(
                 [model], s.slo_met / s.request_success if s.request_success else math.nan
@@ -140,6 +149,7 @@ class BackendCollector(Collector):
             compute,
             slo_met,
             refused,
+            by_rule,
             pending,
             attain,
             slice_pct,
@@ -156,6 +166,7 @@ _UNSUFFIXED = (
     "nv_inference_compute_infer_duration_us",
     "dstack_request_slo_met",
     "dstack_request_refused",
+    "dstack_request_refused_by_rule",
 )
 
 

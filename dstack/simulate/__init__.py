@@ -2,10 +2,10 @@
 
 - `workload`: arrivals (Poisson, bursts, ramps, CSV traces) from a SPEC string.
 - `latency`: L(b, p) for any batch and slice from a profile (interpolation rules there).
-- `engine`: the discrete-event loop mirroring `dstack.runtime` (admission, refusal,
+- `engine`: the discrete-event loop mirroring `dstack.runtime.serving` (admission, refusal,
   dispatch, contention by processor sharing).
 - `ideal`: the ideal bound, an LP over the profiles that no policy can beat.
-- `simulation`: sets up each policy with `dstack.planning.setup_policy` and runs it.
+- `simulation`: sets up each policy with `dstack.policies.planning.setup_policy` and runs it.
 - `report`, `plot`, `cli`: numbers, pictures, the command.
 """
 

@@ -7,8 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from dstack.config import ConfigError, PolicyName, load_config
-from dstack.planning import served_profiles
+from dstack.common.config import ConfigError, PolicyName, load_config
+from dstack.policies.planning import served_profiles
 from dstack.simulate.engine import COMPILED
 from dstack.simulate.report import format_per_model, format_table
 from dstack.simulate.simulation import simulate

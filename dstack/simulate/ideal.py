@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from dstack.common.types import Profile
 from dstack.simulate.latency import latency_ms
-from dstack.types import Profile
 
 
 def cost_per_request_s(profile: Profile, slo_ms: float, max_batch: int) -> float:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 
-from dstack.types import Profile
+from dstack.common.types import Profile
 
 
 def latency_ms(profile: Profile, batch: int, percent: float) -> float:

@@ -37,7 +37,7 @@ def summarise(policy: str, r: RunResult, ideal_rps: float) -> PolicyReport:
     arrived = sum(c.arrived for c in r.counts.values())
     within = sum(c.within_slo for c in r.counts.values())
     served = sum(c.served for c in r.counts.values())
-    refused = sum(c.refused_full + c.refused_deadline for c in r.counts.values())
+    refused = sum(c.refused_total for c in r.counts.values())
     lat = np.frombuffer(r.latencies_s, dtype=np.float64) if len(r.latencies_s) else None
     p50 = float(np.percentile(lat, 50)) * 1000 if lat is not None else float("nan")
     p99 = float(np.percentile(lat, 99)) * 1000 if lat is not None else float("nan")

@@ -1,4 +1,4 @@
-"""Set up each policy exactly as the server would (`dstack.planning.setup_policy`) and run
+"""Set up each policy exactly as the server would (`dstack.policies.planning.setup_policy`) and run
 it through the same arrivals; compute the ideal bound once for all of them."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dstack.config import ConfigError, DeployConfig, PolicyName
-from dstack.planning import setup_policy
+from dstack.common.config import ConfigError, DeployConfig, PolicyName
+from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend
+from dstack.common.types import Profile
+from dstack.policies.planning import setup_policy
 from dstack.simulate.engine import RunResult, SimModel, run
 from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
 from dstack.simulate.latency import latency_table_s
 from dstack.simulate.report import PolicyReport, failed, summarise
 from dstack.simulate.workload import Arrivals
-from dstack.slices import CpuSlices, MpsSlices, SliceBackend
-from dstack.types import Profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
              timeline_s: float = 0.0) -> Simulation:
     """Run every policy in `policies` on `arrivals` over [0, duration_s) (then drained).
 
-    `profiles` are keyed by served model name (`dstack.planning.served_profiles`). A policy
+    `profiles` are keyed by served model name (`dstack.policies.planning.served_profiles`). A policy
     that cannot be set up (no feasible plan, say) gets a report row with the reason."""
     profiles = dict(profiles)
     costs = {m.name: cost_per_request_s(profiles[m.name], m.slo_ms, m.max_batch_size)
@@ -81,7 +81,8 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
             for m in cfg.models
         ]
         t1 = time.perf_counter()
-        r = run(setup.policy, models, times, idx, duration_s, timeline_s=timeline_s)
+        r = run(setup.policy, models, times, idx, duration_s, estimates=setup.estimates,
+                timeline_s=timeline_s)
         wall[str(name)] = (t1 - t0, time.perf_counter() - t1)
         results[str(name)] = r
         reports.append(summarise(str(name), r, ideal))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dstack.backend import ModelStats
-from dstack.errors import BackendError, ModelNotFound
-from dstack.types import DType, ModelSpec, Plan, Schedule, TensorSpec
+from dstack.common.backend import ModelStats
+from dstack.common.errors import BackendError, ModelNotFound
+from dstack.common.types import DType, ModelSpec, Plan, Schedule, TensorSpec
 
 SPECS = {
     "double": ModelSpec(

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as triton
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from dstack.types import ModelPlan, Plan, Schedule, Slot, SolverStatus
+from dstack.common.types import ModelPlan, Plan, Schedule, Slot, SolverStatus
 from server import codec
 from server.app import create_app
 from tests.integration.fakes import FakeBackend

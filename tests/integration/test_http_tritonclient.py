@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from dstack.config import parse_config
+from dstack.common.config import parse_config
 from server.main import bind, build_app, make_server
 from tests.integration.fakes import FakeBackend
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dstack.types import load_profile
+from dstack.common.types import load_profile
 from knee_profiler.sweep import expressible_percentages
 
 REPO = Path(__file__).resolve().parents[2]

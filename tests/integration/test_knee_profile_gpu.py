@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dstack.types import load_profile
+from dstack.common.types import load_profile
 from knee_profiler.sweep import SweepConfig, sweep
 
 

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from dstack.errors import DeadlineRefused
-from dstack.slices import SliceSpec
+from dstack.common.errors import DeadlineRefused
+from dstack.common.slices import SliceSpec
 from server import codec
 from server.app import create_app
 from tests.integration.fakes import FakeBackend

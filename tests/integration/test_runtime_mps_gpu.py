@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import models
-from dstack import mps
-from dstack.config import parse_config
-from dstack.errors import Unavailable
-from dstack.runtime import Runtime
-from dstack.slices import MpsSlices, SliceSpec
-from dstack.types import Cell, DeviceInfo, Profile
-from dstack.worker import WorkerConfig, WorkerHandle, arena_for
+from dstack.common import mps
+from dstack.common.config import parse_config
+from dstack.common.errors import Unavailable
+from dstack.common.slices import MpsSlices, SliceSpec
+from dstack.common.types import Cell, DeviceInfo, Profile
+from dstack.runtime.serving import Runtime
+from dstack.runtime.worker import WorkerConfig, WorkerHandle, arena_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,7 +81,7 @@ def test_two_models_on_mps_slices_serve_correct_outputs(tmp_path: Path) -> None:
             servers = mps.server_list(daemon_env)
             clients = {c for s in servers for c in mps.client_list(daemon_env, s)}
             for n in names:
-                assert rt.models[n].worker.pid in clients  # type: ignore[union-attr]
+                assert rt.supervisor.worker(n).pid in clients  # type: ignore[union-attr]
             outs = await asyncio.gather(*(rt.infer(names[i % 2], {"input": x})
                                           for i, x in enumerate(xs)))
             for x, out in zip(xs, outs, strict=True):

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import models
-from dstack.config import parse_config
-from dstack.errors import BackendError, DeadlineRefused
-from dstack.latency import LinearLatency
-from dstack.runtime import Runtime
-from dstack.types import Cell, DeviceInfo, Plan, Profile, Schedule
+from dstack.common.config import parse_config
+from dstack.common.errors import BackendError, DeadlineRefused
+from dstack.common.types import Cell, DeviceInfo, Plan, Profile, Schedule
+from dstack.policies.latency import LinearLatency
+from dstack.runtime.serving import Runtime
 from optimizer.packing import validate_schedule
 from server.app import create_app
 
@@ -147,7 +147,7 @@ def _check_batches_in_slots(rt: Runtime, strict: bool) -> None:
     # each worker really runs on its slot's cores
     for m in MODELS:
         slot = next(s for s in sched.slots if s.model == m)
-        pid = rt.models[m].worker.pid  # type: ignore[union-attr]
+        pid = rt.supervisor.worker(m).pid  # type: ignore[union-attr]
         assert os.sched_getaffinity(pid) == set(slot.units)
 
 
@@ -221,7 +221,7 @@ def test_a_dead_worker_fails_its_requests_at_once_and_is_restarted(tmp_path: Pat
         rt = Runtime(cfg)
         await rt.start()
         try:
-            pid = rt.models["a"].worker.pid  # type: ignore[union-attr]
+            pid = rt.supervisor.worker("a").pid  # type: ignore[union-attr]
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(BackendError, match="died"):
@@ -233,7 +233,7 @@ def test_a_dead_worker_fails_its_requests_at_once_and_is_restarted(tmp_path: Pat
                 if rt.is_model_ready("a"):
                     break
                 await asyncio.sleep(0.1)
-            assert rt.models["a"].worker.pid != pid  # type: ignore[union-attr]
+            assert rt.supervisor.worker("a").pid != pid  # type: ignore[union-attr]
             assert (await rt.infer("a", {"input": x}))["output"].shape == (1, 10)
         finally:
             await rt.stop()
@@ -260,7 +260,7 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
         await rt.start()
         try:
             slice_before = rt.current_slice("tiny_a")
-            pid_before = rt.models["tiny_a"].worker.pid  # type: ignore[union-attr]
+            pid_before = rt.supervisor.worker("tiny_a").pid  # type: ignore[union-attr]
             tasks = []
             t_end = time.monotonic() + 30
             while time.monotonic() < t_end and (rt.replans == 0 or len(tasks) < 600):
@@ -273,7 +273,7 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
             assert rt.replans >= 1, "the rate rose 20x and nothing was re-planned"
             assert not failed, failed[:3]
             assert rt.current_slice("tiny_a") != slice_before
-            assert rt.models["tiny_a"].worker.pid != pid_before  # type: ignore[union-attr]
+            assert rt.supervisor.worker("tiny_a").pid != pid_before  # type: ignore[union-attr]
             assert rt.plan().for_model("tiny_a").percent == 100.0  # type: ignore[union-attr]
         finally:
             await rt.stop()
@@ -292,12 +292,12 @@ def test_a_too_slow_latency_estimate_cannot_lock_a_model_out() -> None:
         rt = Runtime(cfg)
         await rt.start()
         try:
-            rt.latency["tiny_cnn"] = LinearLatency(0.5, 0.0, observations=10)  # "500 ms"
-            with pytest.raises(DeadlineRefused, match="takes about 500"):
+            rt.core.set_estimate("tiny_cnn", LinearLatency(0.5, 0.0, observations=10))  # 500 ms
+            with pytest.raises(DeadlineRefused, match="about 500.0 ms per batch"):
                 await rt.infer("tiny_cnn", {"input": x})
             await asyncio.sleep(1.1)  # idle for longer than max(1 s, SLO): probe
             assert (await rt.infer("tiny_cnn", {"input": x}))["output"].shape == (1, 10)
-            assert rt.latency["tiny_cnn"].estimate_s(1) < 0.2
+            assert rt.core.estimates["tiny_cnn"].estimate_s(1) < 0.2
             for _ in range(3):
                 await rt.infer("tiny_cnn", {"input": x})
         finally:

@@ -10,13 +10,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import dstack.dstack_policy as dstack_policy
-from dstack.config import PolicyName, parse_config
-from dstack.latency import LinearLatency
-from dstack.policies import DStackPolicy, ModelParams, QueueView, make_policy
+import dstack.policies.dstack_policy as dstack_policy
+from dstack.common.config import PolicyName, parse_config
+from dstack.common.slices import MpsSlices
+from dstack.common.types import ModelPlan, Plan, Schedule, Slot, SolverStatus, load_profiles
+from dstack.policies.contract import ModelParams, QueueView
+from dstack.policies.dstack_policy import DStackPolicy
+from dstack.policies.latency import LinearLatency
+from dstack.policies.registry import make_policy
 from dstack.simulate import generate, simulate
-from dstack.slices import MpsSlices
-from dstack.types import ModelPlan, Plan, Schedule, Slot, SolverStatus, load_profiles
 
 
 def random_policy(rng: random.Random) -> DStackPolicy:

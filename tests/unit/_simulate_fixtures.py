@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dstack.config import DeployConfig, parse_config
-from dstack.types import Cell, DeviceInfo, Profile
+from dstack.common.config import DeployConfig, parse_config
+from dstack.common.types import Cell, DeviceInfo, Profile
 
 
 def make_profile(model: str, lat_ms: Callable[[int, float], float],

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dstack.errors import BackendError, RequestError
-from dstack.types import DType, ModelSpec, TensorSpec
+from dstack.common.errors import BackendError, RequestError
+from dstack.common.types import DType, ModelSpec, TensorSpec
 from server import codec
 
 IMG = ModelSpec(

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-import dstack.decisions
-import dstack.dstack_policy
-import dstack.latency
-import dstack.policies
+import dstack.policies.baselines
+import dstack.policies.contract
+import dstack.policies.dstack_policy
+import dstack.policies.latency
+import dstack.runtime.dispatch
 import dstack.simulate.engine
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPILED = (dstack.decisions, dstack.dstack_policy, dstack.latency, dstack.policies,
-            dstack.simulate.engine)
+COMPILED = (dstack.policies.contract, dstack.policies.dstack_policy, dstack.policies.latency,
+            dstack.policies.baselines, dstack.runtime.dispatch, dstack.simulate.engine)
 
 
 def _compiled(module: object) -> bool:
@@ -67,17 +68,17 @@ def test_compiled_modules_decide_exactly_as_their_source(tmp_path: Path) -> None
 
 
 def test_a_source_changed_since_it_was_compiled_is_named() -> None:
-    if not _compiled(dstack.latency):
+    if not _compiled(dstack.policies.latency):
         pytest.skip("nothing compiled")
     from dstack import stale_extensions
 
-    src = ROOT / "dstack" / "latency.py"
-    ext = Path(str(dstack.latency.__file__))
+    src = ROOT / "dstack" / "policies" / "latency.py"
+    ext = Path(str(dstack.policies.latency.__file__))
     before = src.stat()
     assert stale_extensions() == []
     try:
         os.utime(src, (before.st_atime, ext.stat().st_mtime + 10))  # "edited" after the build
-        assert stale_extensions() == ["dstack/latency.py"]
+        assert stale_extensions() == ["dstack/policies/latency.py"]
     finally:
         os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert stale_extensions() == []

@@ -1,4 +1,4 @@
-"""dstack.heap.keep_heap: a model process stops faulting its activations in every batch."""
+"""dstack.common.heap.keep_heap: a model process stops faulting its activations in every batch."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from dstack.heap import keep_heap
+from dstack.common.heap import keep_heap
 
 # A 40 MB block, allocated, touched and freed over and over, as a forward pass does with
 # its activations: prints the page faults of the last 8 rounds.
 _ROUNDS = r"""
 import sys
-from dstack.heap import keep_heap
+from dstack.common.heap import keep_heap
 print(keep_heap())
 import numpy as np
 def faults():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dstack.types import PROFILE_SCHEMA, ProfileError, load_profile, load_profiles
+from dstack.common.types import PROFILE_SCHEMA, ProfileError, load_profile, load_profiles
 from knee_profiler.cli import main
 from knee_profiler.knee import knee
 from knee_profiler.table import TableError, import_table, profiles_from_table

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dstack.types import load_profile
+from dstack.common.types import load_profile
 from knee_profiler.slices import CpuAffinity, Mps
 from knee_profiler.sweep import ProfilerError, SweepConfig, sweep
 

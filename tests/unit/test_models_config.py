@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import models
-from dstack.config import ConfigError, PolicyName, load_config
-from dstack.runtime import served_spec
+from dstack.common.config import ConfigError, PolicyName, load_config
+from dstack.runtime.serving import served_spec
 
 
 def test_zoo_has_torchvision_classifiers_and_tiny_cnn_with_batch_dim_specs() -> None:

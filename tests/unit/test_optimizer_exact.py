@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from dstack.types import Cell, DeviceInfo, ModelSLO, Priority, Profile, SolverStatus
+from dstack.common.types import Cell, DeviceInfo, ModelSLO, Priority, Profile, SolverStatus
 from optimizer import cycle_candidates, pack, solve, validate_schedule
 
 INSTANCES = 200

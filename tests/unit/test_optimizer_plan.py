@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dstack.cli import main
-from dstack.types import (
+from dstack.common.types import (
     Cell,
     DeviceInfo,
     ModelSLO,

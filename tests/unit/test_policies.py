@@ -6,22 +6,15 @@ import random
 
 import pytest
 
-from dstack.adapt import RateTracker, ReplanTrigger
-from dstack.config import PolicyName
-from dstack.latency import LinearLatency
-from dstack.policies import (
-    DStackPolicy,
-    Launch,
-    ModelParams,
-    QueueView,
-    TakeNow,
-    WaitUntil,
-    batch_window,
-    gslice_adapt,
-    make_policy,
-)
-from dstack.slices import CpuSlices, MpsSlices
-from dstack.types import ModelPlan, Plan, Schedule, Slot, SolverStatus
+from dstack.common.config import PolicyName
+from dstack.common.slices import CpuSlices, MpsSlices
+from dstack.common.types import ModelPlan, Plan, Schedule, Slot, SolverStatus
+from dstack.policies.baselines import TakeNow, WaitUntil, batch_window, gslice_adapt
+from dstack.policies.contract import Launch, ModelParams, QueueView
+from dstack.policies.dstack_policy import DStackPolicy
+from dstack.policies.latency import LinearLatency
+from dstack.policies.registry import make_policy
+from dstack.runtime.adapt import RateTracker, ReplanTrigger
 
 A, B = "a", "b"
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from dstack.schedule import ScheduleError, build_schedule, validate_schedule
-from dstack.slices import CpuSlices, MpsSlices
-from dstack.types import Cell, DeviceInfo, ModelSLO, Plan, Profile, SolverStatus
+from dstack.common.slices import CpuSlices, MpsSlices
+from dstack.common.types import Cell, DeviceInfo, ModelSLO, Plan, Profile, SolverStatus
+from dstack.policies.schedule import ScheduleError, build_schedule, validate_schedule
 from optimizer import solve
 
 
@@ -51,7 +51,7 @@ def test_schedules_from_random_plans_validate(seed: int) -> None:
 
 
 def test_a_plan_that_overbooks_the_cores_is_refused() -> None:
-    from dstack.types import ModelPlan
+    from dstack.common.types import ModelPlan
 
     plan = Plan((ModelPlan("a", 1, 100, 5, 1, 1, 1, 50), ModelPlan("b", 1, 50, 5, 1, 1, 1, 50)),
                 20.0, 2.0, SolverStatus.OPTIMAL)

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from dstack.policies import ModelParams, SharedPolicy
+from dstack.common.slices import MpsSlices
+from dstack.policies.baselines import ModelParams, SharedPolicy
 from dstack.simulate import (
     SimModel,
     cost_per_request_s,
@@ -18,7 +19,6 @@ from dstack.simulate import (
     run,
 )
 from dstack.simulate.workload import WorkloadError, parse_duration
-from dstack.slices import MpsSlices
 from tests.unit._simulate_fixtures import knee50, make_profile
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dstack.config import PolicyName
+from dstack.common.config import PolicyName
 from dstack.simulate import generate, read_trace, simulate, write_trace
 from dstack.simulate.workload import WorkloadError
 from tests.unit._simulate_fixtures import config, knee50, make_profile

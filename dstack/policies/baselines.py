@@ -2,7 +2,7 @@
 
 `decide(now, queues)` looks at the queues and the workers and returns which models should
 start a batch now (and how many items at most) and when to look again. The asyncio
-dispatcher (`dstack.runtime`) applies decisions to real workers; the simulator applies the
+dispatcher (`dstack.runtime.serving`) applies decisions to real workers; the simulator applies the
 very same objects on a virtual clock. Nothing here reads a clock, sleeps or does I/O.
 
 | policy   | slices                 | when a model runs               | batch size            |
@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 
 import cython
 
-from dstack.config import PolicyName
-from dstack.decisions import Decision, Launch, ModelParams, Policy, QueueView
-from dstack.dstack_policy import DStackPolicy
-from dstack.latency import LinearLatency
-from dstack.slices import SliceBackend, SliceSpec
-from dstack.types import Plan, Schedule
+from dstack.common.config import PolicyName
+from dstack.common.slices import SliceBackend, SliceSpec
+from dstack.common.types import Plan, Schedule
+from dstack.policies.contract import Decision, Launch, ModelParams, QueueView
+from dstack.policies.latency import LinearLatency
 
 # --------------------------------------------------------------------------- batch window
 
@@ -85,7 +84,7 @@ class SharedPolicy:
 
     models: dict[str, ModelParams]
     backend: SliceBackend
-    latency: dict[str, LinearLatency] = field(default_factory=dict)
+    latency: Mapping[str, LinearLatency] = field(default_factory=dict)
     name: PolicyName = PolicyName.SHARED
 
     def batch_cap(self, model: str) -> int:
@@ -93,6 +92,15 @@ class SharedPolicy:
 
     def slices(self) -> dict[str, SliceSpec]:
         return {m: self.backend.whole() for m in self.models}
+
+    def use_estimates(self, estimates: Mapping[str, LinearLatency]) -> None:
+        self.latency = estimates
+
+    def reanchor(self, now: float) -> None:
+        return None
+
+    def unserved(self) -> Mapping[str, str]:
+        return {}
 
     def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
         launches: list[Launch] = []
@@ -194,31 +202,3 @@ class TemporalPolicy(SharedPolicy):
                 return Decision((Launch(m, w.n),))
             wake = _min_wake(wake, w.t)
         return Decision((), wake)
-
-
-# --------------------------------------------------------------------------- factory
-
-
-def make_policy(
-    name: PolicyName,
-    models: dict[str, ModelParams],
-    backend: SliceBackend,
-    *,
-    plan: Plan | None = None,
-    schedule: Schedule | None = None,
-    knees: dict[str, float] | None = None,
-    temporal_batch: dict[str, int] | None = None,
-    origin: float = 0.0,
-    reuse_idle: bool = True,
-) -> Policy:
-    if name is PolicyName.SHARED:
-        return SharedPolicy(models, backend)
-    if name is PolicyName.TEMPORAL:
-        return TemporalPolicy(models, backend, batch=dict(temporal_batch or {}))
-    if name is PolicyName.SPATIAL:
-        return SpatialPolicy(models, backend, knees=dict(knees or {}))
-    if name is PolicyName.DSTACK:
-        if plan is None or schedule is None:
-            raise ValueError("policy dstack needs a plan and a schedule")
-        return DStackPolicy(models, backend, plan, schedule, origin, reuse_idle=reuse_idle)
-    raise ValueError(f"unknown policy {name!r}")

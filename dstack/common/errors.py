@@ -9,6 +9,7 @@ from __future__ import annotations
 class DStackError(Exception):
     status_code = 500
     reason = "internal"  # a short label, used in metrics
+    rule: str | None = None  # a refusal: the rule that refused it (`{"reason": rule}`)
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -1,7 +1,7 @@
 """Typed messages between the dispatcher and its worker processes (never bare tuples).
 
 Tensors never travel in these messages: they sit in the worker's shared-memory arena
-(`dstack.shm`); a message only says which slot and how many items.
+(`dstack.runtime.shm`); a message only says which slot and how many items.
 """
 
 from __future__ import annotations

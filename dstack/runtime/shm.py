@@ -13,7 +13,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from dstack.types import DType, ModelSpec, TensorSpec
+from dstack.common.types import DType, ModelSpec, TensorSpec
 
 NUMPY_DTYPE: dict[DType, np.dtype] = {
     DType.BOOL: np.dtype(np.bool_),

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dstack.config import ConfigError, DeployConfig, PolicyName
-from dstack.latency import LinearLatency
-from dstack.policies import ModelParams, Policy, make_policy
-from dstack.schedule import ScheduleError, build_schedule
-from dstack.slices import SliceBackend
-from dstack.types import ModelSLO, Plan, Profile, Schedule, SolverStatus, load_profiles
+from dstack.common.config import ConfigError, DeployConfig, PolicyName
+from dstack.common.slices import SliceBackend
+from dstack.common.types import ModelSLO, Plan, Profile, Schedule, SolverStatus, load_profiles
+from dstack.policies.contract import ModelParams, Policy
+from dstack.policies.lane_planning import plan_lanes
+from dstack.policies.latency import LinearLatency
+from dstack.policies.registry import make_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class PolicySetup:
     plan: Plan | None
     schedule: Schedule | None
     profiles: dict[str, Profile]  # keyed by served model name
+    estimates: dict[str, LinearLatency]  # seeded from the profiles, at each worker's slice
 
 
 def model_params(cfg: DeployConfig) -> dict[str, ModelParams]:
@@ -56,9 +58,18 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
 
 
 def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
-             rates: dict[str, float] | None = None) -> Plan:
-    """The optimizer's plan for the config's models at `rates` (default: the configured
-    `rate_rps`), each grown by `rate_headroom`. May be INFEASIBLE (see its shortfalls)."""
+             rates: dict[str, float] | None = None,
+             backend: SliceBackend | None = None) -> Plan:
+    """The `dstack` policy's lane plan for the config's models at `rates` (default: the
+    configured `rate_rps`), each grown by `rate_headroom`, on `backend` (default: the
+    profiles' device). Never raises for a mix it cannot serve whole: a model no lane can
+    serve is left out and named (status INFEASIBLE), the rest are planned."""
+    return plan_lanes(cfg, profiles, backend, rates)[0]
+
+
+def shelf_plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
+                   rates: dict[str, float] | None = None) -> Plan:
+    """The earlier shelf/cycle optimizer's plan (`optimizer.solve`), for comparison."""
     from optimizer import SolveOptions, solve
 
     grow = 1.0 + cfg.rate_headroom
@@ -72,8 +83,9 @@ def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
 
 def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
                rates: dict[str, float] | None = None) -> Plan:
-    """`plan_for`, refusing a plan that leaves some model out (ConfigError saying why)."""
-    plan = plan_for(cfg, profiles, rates)
+    """`shelf_plan_for`, refusing a plan that leaves some model out (ConfigError saying
+    why). The `dstack` policy no longer uses it (its lane plan never refuses)."""
+    plan = shelf_plan_for(cfg, profiles, rates)
     if plan.status is SolverStatus.INFEASIBLE:
         why = "; ".join(s.reason for s in plan.shortfalls)
         raise ConfigError(f"no plan can serve every model within its SLO: {why}")
@@ -106,11 +118,7 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     knees: dict[str, float] = {}
     tbatch: dict[str, int] = {}
     if cfg.policy is PolicyName.DSTACK:
-        plan = solve_plan(cfg, profiles, rates)
-        try:
-            schedule = build_schedule(plan, backend)
-        except ScheduleError as e:
-            raise ConfigError(f"the plan cannot be laid out on this device: {e}") from None
+        plan, schedule, _ = plan_lanes(cfg, profiles, backend, rates)
     elif cfg.policy is PolicyName.SPATIAL:
         knees = {m.name: knee_percent(profiles[m.name], m.max_batch_size) for m in cfg.models}
     elif cfg.policy is PolicyName.TEMPORAL and profiles:
@@ -123,11 +131,13 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
                          reuse_idle=cfg.reuse_idle)
     # Seed the latency model from the profile at the worker's slice where there is one.
     slices = policy.slices()
+    estimates: dict[str, LinearLatency] = {}
     for name, prof in profiles.items():
         pct = min(max(prof.percentages), max(slices[name].percent, min(prof.percentages)))
         bs = sorted(prof.batch_sizes)
         if len(bs) >= 2:
             lat = LinearLatency.from_points(bs[0], prof.latency_ms(bs[0], pct) / 1000,
                                             bs[-1], prof.latency_ms(bs[-1], pct) / 1000)
-            policy.latency[name] = lat  # type: ignore[attr-defined]
-    return PolicySetup(policy, plan, schedule, profiles)
+            estimates[name] = lat
+    policy.use_estimates(estimates)
+    return PolicySetup(policy, plan, schedule, profiles, estimates)

@@ -3,7 +3,7 @@
 Standard library only (imports no torch: the parent must not create a CUDA context). Every
 function takes the environment to use, so that a private daemon (own pipe and log
 directories) and the system's default one are handled alike. Used by the runtime's MPS slice
-backend (`dstack.slices.MpsSlices`), its workers (`verify_client`) and the knee profiler.
+backend (`dstack.common.slices.MpsSlices`), its workers (`verify_client`) and the knee profiler.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The `dstack` policy: follow the planned spatio-temporal schedule, reuse idle capacity.
 
-`DStackPolicy` is the policy object (`dstack.policies.make_policy` builds it); its state
+`DStackPolicy` is the policy object (`dstack.policies.registry.make_policy` builds it); its state
 and its decision are `SlotClock`, written for Cython (setup.py compiles this module):
 `decide` runs on every event of the dispatcher and of the simulator.
 """
@@ -13,11 +13,11 @@ from collections.abc import Mapping
 
 import cython
 
-from dstack.config import PolicyName
-from dstack.decisions import Decision, Launch, ModelParams, QueueView
-from dstack.latency import LinearLatency
-from dstack.slices import SliceBackend, SliceSpec
-from dstack.types import Plan, Schedule
+from dstack.common.config import PolicyName
+from dstack.common.slices import SliceBackend, SliceSpec
+from dstack.common.types import Plan, Schedule
+from dstack.policies.contract import Decision, Launch, ModelParams, QueueView
+from dstack.policies.latency import LinearLatency
 
 # The dstack policy's schedule laid on the clock: which slot occurrences have been used or
 # forfeited, which models have a batch running, and the decision that follows. Compiled,
@@ -371,6 +371,7 @@ class DStackPolicy:
         self.latency: dict[str, LinearLatency] = {} if latency is None else latency
         self.reuse_idle = reuse_idle
         planned = {m.model: m for m in the_plan.models}
+        self._batch = {m: p.batch for m, p in planned.items()}
         self._clock = SlotClock(
             list(models),
             [(s.model, s.start_ms / 1000, s.duration_ms / 1000, s.percent, s.units)
@@ -410,6 +411,20 @@ class DStackPolicy:
 
     def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
         return self._clock.decide(now, queues, self.latency, self.reuse_idle)
+
+    def use_estimates(self, estimates: Mapping[str, LinearLatency]) -> None:
+        self.latency = dict(estimates) if not isinstance(estimates, dict) else estimates
+
+    def reanchor(self, now: float) -> None:
+        self._clock.origin = now
+
+    def batch_cap(self, model: str) -> int:
+        return self._batch.get(model, 1)
+
+    def unserved(self) -> Mapping[str, str]:
+        planned = {m.model for m in self.the_plan.models}
+        why = {s.model: s.reason for s in self.the_plan.shortfalls}
+        return {m: why.get(m, "not in the plan") for m in self.models if m not in planned}
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
         self._clock.done(model)

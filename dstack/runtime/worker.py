@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from multiprocessing.connection import Connection
 
-from dstack.errors import BackendError, Unavailable
-from dstack.heap import keep_heap
-from dstack.messages import (
+from dstack.common.errors import BackendError, Unavailable
+from dstack.common.heap import keep_heap
+from dstack.common.slices import SliceSpec, enter_slice
+from dstack.common.types import ModelSpec
+from dstack.runtime.messages import (
     BatchDone,
     BatchFailed,
     FromWorker,
@@ -31,11 +33,9 @@ from dstack.messages import (
     StartFailed,
     Stop,
 )
-from dstack.shm import Arena, ArenaLayout
-from dstack.slices import SliceSpec, enter_slice
-from dstack.types import ModelSpec
+from dstack.runtime.shm import Arena, ArenaLayout
 
-log = logging.getLogger("dstack.worker")
+log = logging.getLogger("dstack.runtime.worker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ def _check_mps_client(cfg: WorkerConfig) -> None:
     """The CUDA context now exists: prove it is an MPS client. A context made while no
     daemon answered on the pipe directory is plain CUDA and its percentage is ignored, so
     such a worker must not report ready."""
-    from dstack.mps import MpsError, verify_client
+    from dstack.common.mps import MpsError, verify_client
 
     try:
         verify_client(os.environ)

@@ -12,7 +12,7 @@ from typing import Annotated
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dstack.types import ModelSLO, Priority
+from dstack.common.types import ModelSLO, Priority
 
 
 class ConfigError(ValueError):

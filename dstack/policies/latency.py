@@ -27,6 +27,7 @@ class LinearLatency:
     t_s: cython.double  # cost per item
     alpha: cython.double = 0.1  # weight of a new observation
     observations: cython.long = 0
+    far_streak: cython.long = 0  # consecutive observations far off in the same direction
 
     @property
     def trusted(self) -> bool:
@@ -54,9 +55,26 @@ class LinearLatency:
         self.observations += 1
         if pred <= 0:
             return
-        # Far off (more than 2x either way, or still a seed): move most of the way at once.
-        far = not (0.5 * pred <= seconds <= 2 * pred) or self.observations <= TRUST_AFTER
-        alpha = 0.7 if far else self.alpha
+        # Far off (more than 2x either way): believed only when it happens twice in a row
+        # in the same direction (or while the estimate is still a seed), then the line
+        # moves most of the way at once. A lone outlier (a stall on a busy machine) moves
+        # it as a 2x observation would, by `alpha`: it cannot flip refusals on its own.
+        far: cython.long = 0
+        if seconds > 2 * pred:
+            far = 1
+        elif seconds < 0.5 * pred:
+            far = -1
+        if far == 0:
+            self.far_streak = 0
+        elif (far > 0) == (self.far_streak > 0):
+            self.far_streak += far
+        else:
+            self.far_streak = far
+        alpha: cython.double = self.alpha
+        if self.observations <= TRUST_AFTER or (far != 0 and abs(self.far_streak) >= 2):
+            alpha = 0.7
+        elif far != 0:
+            err = pred if far > 0 else -0.5 * pred
         share_k = self.k_s / pred
         self.k_s = max(1e-6, self.k_s + alpha * err * share_k)
         self.t_s = max(0.0, self.t_s + alpha * err * (1 - share_k) / max(n, 1))

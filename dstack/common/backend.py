@@ -1,7 +1,7 @@
 """The seam between the HTTP server and the runtime.
 
 `server/` speaks HTTP and the wire format and calls only this interface; the runtime
-(`dstack.runtime.Runtime`) implements it. Tests of the server may use a small fake.
+(`dstack.runtime.serving.Runtime`) implements it. Tests of the server may use a small fake.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dstack.types import ModelSpec, Plan, Schedule
+from dstack.common.types import ModelSpec, Plan, Schedule
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dstack.slices import SliceBackend
-from dstack.types import Plan, Schedule, Slot
+from dstack.common.slices import SliceBackend
+from dstack.common.types import Plan, Schedule, Slot
 from optimizer.packing import pack, validate_schedule
 
 __all__ = ["build_schedule", "validate_schedule", "ScheduleError"]

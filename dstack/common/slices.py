@@ -9,7 +9,7 @@ is created and on CPU the thread pool is sized once.
 - CUDA + MPS: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` set in the worker before CUDA starts.
   `MpsSlices.open()` starts a private MPS control daemon (own pipe/log directories, handed
   to the workers through `worker_env()`) or attaches to a running one; the worker checks
-  it really is an MPS client (`dstack.mps.verify_client`) and refuses to start otherwise.
+  it really is an MPS client (`dstack.common.mps.verify_client`) and refuses to start otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-log = logging.getLogger("dstack.slices")
+log = logging.getLogger("dstack.common.slices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,18 @@ class SliceBackend(Protocol):
     def allocate(self, percents: dict[str, float]) -> dict[str, SliceSpec]:
         """Concurrent slices for models that run at the same time; disjoint where the
         device has units and there are enough of them."""
+        ...
+
+    def open(self) -> None:
+        """Before any worker starts (MPS: find or start the control daemon)."""
+        ...
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment every worker process gets."""
+        ...
+
+    def close(self) -> None:
+        """After the last worker stopped."""
         ...
 
 
@@ -79,6 +91,15 @@ class CpuSlices:
         if not units:
             units = self.cores[: self.cores_for(percent)]
         return SliceSpec(100.0 * len(units) / len(self.cores), tuple(units))
+
+    def open(self) -> None:
+        return None
+
+    def worker_env(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        return None
 
     def allocate(self, percents: dict[str, float]) -> dict[str, SliceSpec]:
         counts = {m: self.cores_for(p) for m, p in percents.items()}
@@ -131,7 +152,7 @@ class MpsSlices:
         return {m: self.slice_for(p * scale) for m, p in percents.items()}
 
     def open(self) -> None:
-        from dstack import mps
+        from dstack.common import mps
 
         start = self.start_daemon
         if start is None:

@@ -1,0 +1,72 @@
+"""The re-planner: measures demand, decides when to re-plan, and solves off the event loop.
+
+Demand is what arrives, not what was answered: every request is counted at arrival,
+refused ones included (`RateTracker.record` is called before admission), so a closed
+loop or a burst that the current plan refuses still grows the next plan. The solve
+(`dstack.policies.planning.setup_policy`: CBC for up to its time limit) runs in a worker
+thread; HTTP, health checks and dispatch go on meanwhile. The new policy is handed over
+by the runtime in one step on the event loop, after its shadow workers are ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from dstack.common.config import DeployConfig
+from dstack.common.slices import SliceBackend
+from dstack.policies.planning import PolicySetup, setup_policy
+from dstack.runtime.adapt import RateTracker, ReplanTrigger
+
+log = logging.getLogger("dstack.runtime.replanner")
+
+
+class Replanner:
+    """`record(model, now)` on every arrival; `run()` is the sampling loop (a task).
+    `apply(setup, rates)` is the runtime's hand-over: start shadows, switch, swap."""
+
+    def __init__(self, cfg: DeployConfig, slices: SliceBackend,
+                 apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
+                 clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.slices = slices
+        self._apply = apply
+        self._clock = clock
+        self.rates = RateTracker([m.name for m in cfg.models], alpha=cfg.adapt.ewma_alpha)
+        self.trigger = ReplanTrigger(
+            {m.name: m.rate_rps for m in cfg.models}, drift=cfg.adapt.drift,
+            hold_s=cfg.adapt.hold_s, down_hold_s=cfg.adapt.down_hold_s)
+        self.replans = 0
+        self.busy = False
+
+    def record(self, model: str, now: float) -> None:
+        self.rates.record(model, now)
+
+    async def run(self) -> None:
+        period = self.cfg.adapt.sample_s
+        while True:
+            await asyncio.sleep(period)
+            now = self._clock()
+            rates = self.rates.sample(now)
+            if not self.busy and self.trigger.should_replan(now, rates):
+                await self.replan(rates)
+
+    async def replan(self, rates: dict[str, float]) -> bool:
+        """Solve for `rates` in a thread, then hand over. False (and the current plan
+        kept) when the solve or the hand-over failed; the reason is logged."""
+        self.busy = True
+        try:
+            setup = await asyncio.to_thread(
+                setup_policy, self.cfg, self.slices, origin=self._clock(), rates=rates)
+            await self._apply(setup, rates)
+        except Exception:
+            log.exception("re-plan failed; keeping the current plan")
+            return False
+        finally:
+            self.busy = False
+        self.replans += 1
+        self.trigger.planned(self._clock(), rates)
+        log.info("re-planned for rates %s",
+                 ", ".join(f"{m}={r:.1f}/s" for m, r in rates.items()))
+        return True

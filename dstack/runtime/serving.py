@@ -1,0 +1,404 @@
+"""The asyncio runtime: drives the dispatch core on the real clock, with real workers.
+
+`Runtime` implements `dstack.common.backend.InferenceBackend`. The rules (queues,
+admission, refusals, estimates, counters) are the dispatch core's
+(`dstack.runtime.dispatch`); workers are the supervisor's (`dstack.runtime.supervisor`);
+re-planning is the re-planner's (`dstack.runtime.replanner`, solving off the event loop).
+This module waits, copies tensors into the workers' shared memory, and resolves futures.
+
+Every request has one future, registered before it is queued and resolved on every path:
+success, refusal (naming the rule), a failed batch, a worker that died, a fault anywhere
+in the dispatch path (500 naming it, logged once with its traceback), shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from dstack.common.backend import ModelStats
+from dstack.common.config import ConfigError, DeployConfig, ModelConfig, PolicyName
+from dstack.common.errors import (
+    BackendError,
+    DeadlineRefused,
+    DStackError,
+    ModelNotFound,
+    Overloaded,
+    Unavailable,
+)
+from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend, SliceSpec
+from dstack.common.types import ModelSpec, Plan, Schedule
+from dstack.policies.contract import Policy
+from dstack.policies.latency import LinearLatency
+from dstack.policies.planning import PolicySetup, setup_policy
+from dstack.runtime.dispatch import (
+    Batch,
+    CoreModel,
+    DispatchCore,
+    RefusalReason,
+    Step,
+    Ticket,
+)
+from dstack.runtime.messages import BatchDone
+from dstack.runtime.replanner import Replanner
+from dstack.runtime.supervisor import Supervisor
+from dstack.runtime.worker import WorkerHandle
+
+log = logging.getLogger("dstack.runtime")
+
+#: Longest a dispatcher wait may last: a missed wake-up can delay a batch by at most this.
+MAX_IDLE_S = 0.5
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A request's payload in the core: its inputs and the future that answers it."""
+
+    inputs: dict[str, np.ndarray]
+    future: asyncio.Future[dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """One executed batch, as the worker timed it (monotonic clock, seconds)."""
+
+    model: str
+    n: int
+    start_s: float
+    compute_s: float
+    reuse: bool
+    worker_pid: int
+
+
+def refusal_error(reason: RefusalReason, message: str) -> DStackError:
+    """The 429 a refusal is answered with; `reason` names the rule (in the JSON body)."""
+    err: DStackError = (Overloaded(message) if reason is RefusalReason.QUEUE_FULL
+                        else DeadlineRefused(message))
+    err.rule = reason.value
+    return err
+
+
+def served_spec(m: ModelConfig) -> ModelSpec:
+    """The zoo's spec with the configured max batch (or one built from the config for a
+    TorchScript / builder model outside the zoo)."""
+    import models
+    from dstack.common.types import DType, TensorSpec
+
+    try:
+        base = models.spec(m.zoo)
+    except models.ModelZooError as e:
+        if m.input_shape is None or m.num_classes is None:
+            if m.torchscript is not None or m.builder is not None:
+                raise ConfigError(
+                    f"models.{m.name}: not in the zoo, so give input_shape and num_classes"
+                ) from None
+            raise ConfigError(f"models.{m.name}: {e}") from None
+        base = ModelSpec(
+            m.name,
+            (TensorSpec("input", DType.FP32, (-1, *m.input_shape)),),
+            (TensorSpec("output", DType.FP32, (-1, m.num_classes)),),
+            m.max_batch_size,
+        )
+    if m.input_shape is not None:
+        base = ModelSpec(base.name, (TensorSpec(base.inputs[0].name, base.inputs[0].datatype,
+                                                (-1, *m.input_shape)), *base.inputs[1:]),
+                         base.outputs, base.max_batch_size)
+    return ModelSpec(m.name, base.inputs, base.outputs, m.max_batch_size)
+
+
+def default_slices(cfg: DeployConfig) -> SliceBackend:
+    """CPU: core sets. CUDA: MPS percentages (the daemon is found or started in `start`)."""
+    if cfg.device.value == "cuda":
+        return MpsSlices()
+    return CpuSlices(cfg.cores)
+
+
+class Runtime:
+    """Dispatcher, supervisor and re-planner for one deployment. See module docstring."""
+
+    def __init__(self, cfg: DeployConfig, *, slices: SliceBackend | None = None,
+                 keep_batch_log: int = 10_000) -> None:
+        self.cfg = cfg
+        self.slices = slices or default_slices(cfg)
+        self.specs: dict[str, ModelSpec] = {m.name: served_spec(m) for m in cfg.models}
+        self.batch_log: deque[BatchRecord] = deque(maxlen=keep_batch_log)
+        self.setup: PolicySetup | None = None
+        self.core: DispatchCore | None = None
+        self.supervisor = Supervisor({m.name: (m, self.specs[m.name]) for m in cfg.models},
+                                     self.slices, on_change=self._poke,
+                                     on_failed=self._model_failed)
+        self.replanner: Replanner | None = None
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._adapter: asyncio.Task[None] | None = None
+        self._ready = False
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        # MPS: find or start the control daemon before any worker makes a CUDA context.
+        self.slices.open()
+        try:
+            await self._start()
+        except BaseException:
+            self.slices.close()
+            raise
+
+    async def _start(self) -> None:
+        self.setup = await asyncio.to_thread(setup_policy, self.cfg, self.slices,
+                                             origin=time.monotonic())
+        policy = self.setup.policy
+        ready = await self.supervisor.start_all(policy.slices())
+        estimates = dict(self.setup.estimates)
+        for name, info in ready.items():
+            # No profile: the worker's warm-up timings seed its estimate.
+            estimates.setdefault(name, LinearLatency.from_points(
+                1, info.warm_ms_batch1 / 1000, info.max_batch, info.warm_ms_max / 1000))
+        self.core = DispatchCore(
+            [CoreModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue)
+             for m in self.cfg.models],
+            policy, estimates, now=time.monotonic())  # the cycle starts as serving starts
+        if policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
+            self.replanner = Replanner(self.cfg, self.slices, self._hand_over, time.monotonic)
+            self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
+        self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
+        self._ready = True
+        log.info("runtime ready: policy %s, %d models", policy.name, len(self.specs))
+
+    async def stop(self) -> None:
+        self._closing = True
+        self._ready = False
+        for t in (self._dispatcher, self._adapter, *self._tasks):
+            if t is not None:
+                t.cancel()
+        for t in (self._dispatcher, self._adapter, *list(self._tasks)):
+            if t is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        if self.core is not None:
+            self._fail(self.core.drain(), Unavailable("server is shutting down"))
+        await self.supervisor.stop_all()
+        self.slices.close()  # stops an MPS daemon the runtime started, after its clients
+
+    def _spawn(self, coro: object) -> None:
+        t = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    def _model_failed(self, model: str, err: DStackError) -> None:
+        if self.core is not None:
+            self._fail(self.core.drain(model),
+                       Unavailable(f"model {model} is unavailable: {err.message}"))
+
+    # ------------------------------------------------------------------ backend API
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.core.policy if self.core is not None else None
+
+    @property
+    def replans(self) -> int:
+        return self.replanner.replans if self.replanner is not None else 0
+
+    def model_names(self) -> list[str]:
+        return list(self.specs)
+
+    def spec(self, model: str) -> ModelSpec:
+        try:
+            return self.specs[model]
+        except KeyError:
+            raise ModelNotFound(
+                f"unknown model {model!r}; served models: {', '.join(self.specs)}"
+            ) from None
+
+    def is_ready(self) -> bool:
+        return self._ready and all(self.is_model_ready(m) for m in self.specs)
+
+    def is_model_ready(self, model: str) -> bool:
+        self.spec(model)
+        return self._ready and self.supervisor.is_ready(model)
+
+    def plan(self) -> Plan | None:
+        return self.policy.plan() if self.policy else None
+
+    def schedule(self) -> Schedule | None:
+        return self.policy.schedule() if self.policy else None
+
+    def policy_name(self) -> str:
+        return self.cfg.policy.value
+
+    def stats(self, model: str) -> ModelStats:
+        self.spec(model)
+        if self.core is None:
+            return ModelStats(model, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        c = self.core.counters(model)
+        return ModelStats(model, c.served, c.failed + c.refused_total, c.items, c.batches,
+                          int(c.queue_s * 1e9), int(c.compute_s * 1e9), c.refused_total,
+                          c.within_slo, self.core.pending(model))
+
+    def refusals(self, model: str) -> dict[str, int]:
+        """Refusals of `model` by the rule that refused them (for /metrics)."""
+        self.spec(model)
+        return dict(self.core.counters(model).refused) if self.core is not None else {}
+
+    def current_batch_cap(self, model: str) -> int:
+        """The batch size the policy aims for now (for metrics)."""
+        return self.policy.batch_cap(model) if self.policy is not None else 0
+
+    def current_slice(self, model: str) -> SliceSpec | None:
+        return self.supervisor.current_slice(model)
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.spec(model)
+        core = self.core
+        if self._closing or not self._ready or core is None:
+            raise Unavailable("server is not ready")
+        if not self.supervisor.accepting(model):
+            raise Unavailable(f"model {model} is not ready")
+        n = next(iter(inputs.values())).shape[0]
+        now = time.monotonic()
+        if self.replanner is not None:
+            self.replanner.record(model, now)  # demand: counted before admission
+        fut: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
+        got = core.admit(model, n, now, Request(inputs, fut))
+        if not isinstance(got, Ticket):
+            raise refusal_error(got.reason, got.message)
+        if not core.running(model):
+            self._wake.set()
+        return await fut
+
+    # ------------------------------------------------------------------ dispatcher
+
+    async def _dispatch_loop(self) -> None:
+        core = self.core
+        assert core is not None
+        while not self._closing:
+            self._wake.clear()
+            now = time.monotonic()
+            wake: float | None
+            try:
+                s = core.step(now, blocked=self.supervisor.blocked())
+                self._apply(s)
+                wake = s.wake_at
+            except Exception as e:  # noqa: BLE001 - the loop must go on for later requests
+                log.exception("dispatch failed")
+                self._fail(core.drain(), BackendError(f"dispatch failed: {e!r}"))
+                wake = None
+            timeout = MAX_IDLE_S if wake is None else min(MAX_IDLE_S, wake - time.monotonic())
+            if timeout > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                # that races with the event, and then stop() would wait forever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
+            else:
+                await asyncio.sleep(0)
+
+    def _apply(self, s: Step) -> None:
+        for r in s.refusals:
+            _resolve_error(r.ticket, refusal_error(r.reason, r.message))
+        for f in s.failures:
+            log.error("%s", f.message, exc_info=f.error)
+            self._fail(f.tickets, BackendError(f.message))
+        for b in s.launches:
+            self._launch(b)
+
+    def _launch(self, b: Batch) -> None:
+        core = self.core
+        assert core is not None
+        worker = self.supervisor.worker(b.model)
+        try:
+            if worker is None:
+                raise Unavailable(f"model {b.model} has no worker ready")
+            # Inputs copied and the batch sent here, in the dispatcher, before the
+            # responses of the batch that just ended are written: the worker starts at once.
+            for name, dst in worker.arena.inputs(b.n).items():
+                np.concatenate([_req(t).inputs[name] for t in b.tickets], axis=0, out=dst)
+            fut = worker.submit(b.n)
+        except Exception as e:  # noqa: BLE001 - failed like a batch, below
+            err = e if isinstance(e, DStackError) else BackendError(
+                f"{b.model}: could not start a batch of {b.n}: {e!r}")
+            if not isinstance(e, DStackError):
+                log.exception("launch of a batch of %s failed", b.model)
+            self._fail(core.fail(b, time.monotonic()), err)
+            self._wake.set()
+            return
+        self._spawn(self._run_batch(b, worker, fut))
+
+    async def _run_batch(self, b: Batch, worker: WorkerHandle,
+                         fut: asyncio.Future[BatchDone]) -> None:
+        core = self.core
+        assert core is not None
+        try:
+            done = await fut
+            if done.n != b.n:
+                raise BackendError(f"{b.model}: the worker ran {done.n} items of a batch "
+                                   f"of {b.n}")
+            outs = worker.arena.outputs(b.n)
+            results = {k: v.copy() for k, v in outs.items()}  # leave the arena to the worker
+            del outs
+        except asyncio.CancelledError:
+            self._fail(core.fail(b, time.monotonic()), Unavailable("server is shutting down"))
+            raise
+        except Exception as e:  # noqa: BLE001 - every ticket of the batch is answered
+            err = e if isinstance(e, DStackError) else BackendError(f"{b.model}: {e!r}")
+            if not isinstance(e, DStackError) or isinstance(e, BackendError):
+                log.error("batch of %d for %s failed: %s", b.n, b.model, err.message,
+                          exc_info=not isinstance(e, DStackError))
+            self._fail(core.fail(b, time.monotonic()), err)
+            self._wake.set()
+            return
+        end = time.monotonic()
+        self.batch_log.append(BatchRecord(b.model, b.n, done.start_s, done.compute_s, b.reuse,
+                                          worker.pid or 0))
+        i = 0
+        for t in core.complete(b, done.compute_s, end):
+            res = {k: v[i:i + t.n] for k, v in results.items()}
+            i += t.n
+            fut_t = _req(t).future
+            if not fut_t.done():
+                fut_t.set_result(res)
+        try:
+            core.notify_policy(b, done.compute_s, end)
+        except Exception:  # its requests are answered; later batches go on
+            log.exception("policy %s failed after a batch of %s", core.policy.name, b.model)
+        self._wake.set()
+
+    def _fail(self, tickets: tuple[Ticket, ...] | list[Ticket], err: DStackError) -> None:
+        for t in tickets:
+            _resolve_error(t, err)
+
+    # ------------------------------------------------------------------ re-planning
+
+    async def _hand_over(self, setup: PolicySetup, rates: dict[str, float]) -> None:
+        """Start shadows for models whose slice changes, switch when they are ready, then
+        give the core the new policy, all on the event loop."""
+        core = self.core
+        assert core is not None
+        new_slices = setup.policy.slices()
+        shadows = await self.supervisor.start_shadows(new_slices)
+        await self.supervisor.switch(shadows, core.running)
+        core.set_policy(setup.policy, time.monotonic(), setup.estimates)
+        self.setup = setup
+        self._wake.set()
+
+
+def _req(t: Ticket) -> Request:
+    return t.payload  # type: ignore[return-value]
+
+
+def _resolve_error(t: Ticket, err: Exception) -> None:
+    fut = _req(t).future
+    if not fut.done():
+        fut.set_exception(err)

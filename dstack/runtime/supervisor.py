@@ -1,0 +1,229 @@
+"""The worker supervisor: one worker process per model slice, started, restarted,
+switched to a shadow, and stopped. The one owner of worker handles.
+
+Per model, a small state machine:
+
+    starting -> ready -> (restarting -> ready)* -> (switching -> ready)* -> stopped
+
+- `ready`: the worker takes batches.
+- `restarting`: the worker died; its in-flight batch was failed at once by its handle (no
+  hang); a new worker with the same slice is starting. Other models are untouched.
+- `switching`: a re-plan changed the model's slice; a shadow worker with the new slice is
+  started first, then new batches are held until the running one ends, and the shadow
+  takes over. Queued requests stay queued.
+- `stopped`: shut down.
+
+Models not in `ready` are *blocked*: the dispatch core does not launch batches for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from dstack.common.config import ModelConfig
+from dstack.common.errors import DStackError
+from dstack.common.slices import SliceBackend, SliceSpec
+from dstack.common.types import ModelSpec
+from dstack.runtime.messages import Ready
+from dstack.runtime.worker import WorkerConfig, WorkerHandle, WorkerState, arena_for
+
+log = logging.getLogger("dstack.runtime.supervisor")
+
+
+class SlotState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    SWITCHING = "switching"
+    FAILED = "failed"  # could not be (re)started: its requests are failed
+    STOPPED = "stopped"
+
+
+@dataclass(slots=True)
+class _Slot:
+    cfg: ModelConfig
+    spec: ModelSpec
+    state: SlotState = SlotState.STARTING
+    worker: WorkerHandle | None = None
+    held: bool = False  # switching: launch nothing until the shadow is attached
+
+
+class Supervisor:
+    """Workers of every model. `on_change` is called (no arguments) whenever a model
+    becomes able to take batches again or fails for good, so the dispatcher looks again;
+    `on_failed(model, error)` when a model's worker could not be restarted."""
+
+    def __init__(self, models: Mapping[str, tuple[ModelConfig, ModelSpec]],
+                 slices: SliceBackend, *, on_change: Callable[[], None],
+                 on_failed: Callable[[str, DStackError], None]) -> None:
+        self.slices = slices
+        self._slots = {name: _Slot(cfg, spec) for name, (cfg, spec) in models.items()}
+        self._on_change = on_change
+        self._on_failed = on_failed
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ reading
+
+    def worker(self, model: str) -> WorkerHandle | None:
+        s = self._slots[model]
+        return s.worker if s.state is SlotState.READY or s.state is SlotState.SWITCHING \
+            else None
+
+    def state(self, model: str) -> SlotState:
+        return self._slots[model].state
+
+    def is_ready(self, model: str) -> bool:
+        s = self._slots[model]
+        return (s.state in (SlotState.READY, SlotState.SWITCHING) and s.worker is not None
+                and s.worker.state is WorkerState.READY)
+
+    def accepting(self, model: str) -> bool:
+        """Requests are queued for the model (it is up, or coming back up)."""
+        return self._slots[model].state in (SlotState.READY, SlotState.SWITCHING,
+                                            SlotState.RESTARTING)
+
+    def blocked(self) -> frozenset[str]:
+        """Models that cannot take a batch now."""
+        return frozenset(n for n, s in self._slots.items()
+                         if s.held or not self.is_ready(n))
+
+    def current_slice(self, model: str) -> SliceSpec | None:
+        w = self._slots[model].worker
+        return w.cfg.slice if w is not None else None
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def start_all(self, slices: Mapping[str, SliceSpec]) -> dict[str, Ready]:
+        """Start every model's worker in its slice; all or nothing (raises the first
+        error after stopping the ones that started)."""
+        names = list(self._slots)
+        got = await asyncio.gather(*(self._start(n, slices[n]) for n in names),
+                                   return_exceptions=True)
+        errors = [g for g in got if isinstance(g, BaseException)]
+        for n, g in zip(names, got, strict=True):
+            if isinstance(g, WorkerHandle):
+                self._attach(n, g)
+        if errors:
+            await self.stop_all()
+            raise errors[0]
+        return {n: g.ready_info for n, g in zip(names, got, strict=True)  # type: ignore[union-attr]
+                if isinstance(g, WorkerHandle) and g.ready_info is not None}
+
+    async def _start(self, name: str, sl: SliceSpec) -> WorkerHandle:
+        s = self._slots[name]
+        wcfg = WorkerConfig(
+            model=name, zoo_name=s.cfg.zoo, spec=s.spec, slice=sl, arena_name="",
+            layout=arena_for(s.spec), warmup_batch=s.cfg.max_batch_size,
+            weights=str(s.cfg.weights) if s.cfg.weights else None,
+            torchscript=str(s.cfg.torchscript) if s.cfg.torchscript else None,
+            builder=s.cfg.builder,
+            extra_env=self.slices.worker_env(),
+        )
+        h = WorkerHandle.create(wcfg)
+        try:
+            await h.start()
+        except BaseException:
+            await h.kill()
+            raise
+        log.info("worker %s ready (pid %s, slice %g%% %s)", name, h.pid, sl.percent,
+                 list(sl.units))
+        return h
+
+    def _attach(self, name: str, h: WorkerHandle) -> None:
+        h.on_death.append(self._on_death)
+        s = self._slots[name]
+        s.worker = h
+        s.state = SlotState.READY
+        s.held = False
+
+    async def stop_all(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            try:
+                await t
+            except BaseException:  # noqa: BLE001 - shutting down: nothing to report to
+                pass
+        workers = [s.worker for s in self._slots.values() if s.worker is not None]
+        for s in self._slots.values():
+            s.state = SlotState.STOPPED
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+
+    # ------------------------------------------------------------------ restarts
+
+    def _on_death(self, h: WorkerHandle) -> None:
+        name = h.cfg.model
+        s = self._slots[name]
+        if s.worker is not h or self._closing:
+            return
+        log.error("worker %s (pid %s) died; restarting it", name, h.pid)
+        s.state = SlotState.RESTARTING
+        self._spawn(self._restart(name, h))
+
+    async def _restart(self, name: str, old: WorkerHandle) -> None:
+        s = self._slots[name]
+        try:
+            h = await self._start(name, old.cfg.slice)
+        except DStackError as e:
+            log.error("restart of %s failed: %s", name, e)
+            s.state = SlotState.FAILED
+            self._on_failed(name, e)
+            self._on_change()
+            return
+        finally:
+            await old.kill()
+        if self._closing:
+            await h.stop()
+            return
+        self._attach(name, h)
+        self._on_change()
+
+    def _spawn(self, coro: object) -> None:
+        t = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ shadow switch
+
+    def changed(self, slices: Mapping[str, SliceSpec]) -> list[str]:
+        return [n for n, s in self._slots.items()
+                if s.worker is None or s.worker.cfg.slice != slices[n]]
+
+    async def start_shadows(self, slices: Mapping[str, SliceSpec]) -> dict[str, WorkerHandle]:
+        """Start a worker with its new slice for every model whose slice changes; all or
+        nothing (a failure stops the shadows that started and raises)."""
+        names = self.changed(slices)
+        got = await asyncio.gather(*(self._start(n, slices[n]) for n in names),
+                                   return_exceptions=True)
+        errors = [g for g in got if isinstance(g, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.stop() for g in got if isinstance(g, WorkerHandle)),
+                                 return_exceptions=True)
+            raise errors[0]
+        return dict(zip(names, got, strict=True))  # type: ignore[arg-type]
+
+    async def switch(self, shadows: Mapping[str, WorkerHandle],
+                     running: Callable[[str], bool]) -> None:
+        """Hold new launches on the switched models, wait for their running batches to
+        end (`running(model)`), then attach every shadow at once and stop the old ones."""
+        for n in shadows:
+            self._slots[n].held = True
+            self._slots[n].state = SlotState.SWITCHING
+        try:
+            while any(running(n) for n in shadows):
+                await asyncio.sleep(0.0005)
+        finally:
+            olds = []
+            for n, h in shadows.items():
+                olds.append(self._slots[n].worker)
+                self._attach(n, h)
+            self._on_change()
+        for o in olds:
+            if o is not None:
+                await o.stop()
