@@ -225,6 +225,9 @@ def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneE
 # --------------------------------------------------------------------------- lane plans
 
 
+_State = tuple[tuple[float, float, float], list[LaneEval]]
+
+
 class _Lanes:
     """Memoised best lanes and the width knapsack over an instance."""
 
@@ -244,12 +247,12 @@ class _Lanes:
             ev = self._memo[key] = best_lane(self.inst, members, width)
         return ev
 
-    def widths_for(self, masks: Sequence[int]) -> tuple[tuple[float, float, float], list[LaneEval]]:
+    def widths_for(self, masks: Sequence[int]) -> _State:
         """Multiple-choice knapsack: one width per lane, total <= capacity, best key."""
         # states: units used -> (key, chosen lanes)
-        states: dict[int, tuple[tuple[float, float, float], list[LaneEval]]] = {0: ((0.0, 0.0, 0.0), [])}
+        states: dict[int, _State] = {0: ((0.0, 0.0, 0.0), [])}
         for mask in masks:
-            nxt: dict[int, tuple[tuple[float, float, float], list[LaneEval]]] = {}
+            nxt: dict[int, _State] = {}
             for used, (key, chosen) in states.items():
                 for w in self.inst.widths:
                     u = used + self.units[w]

@@ -1,0 +1,170 @@
+"""The lane planner (optimizer.lanes), the dstack plan (dstack.policies.lane_planning) and
+the lane policy (dstack.policies.lane_policy)."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dstack.common.slices import CpuSlices, MpsSlices
+from dstack.common.types import Priority
+from dstack.policies.contract import QueueView
+from dstack.policies.lane_planning import plan_lanes
+from dstack.policies.lane_policy import LanePolicy
+from dstack.policies.latency import LinearLatency
+from dstack.policies.planning import model_params
+from optimizer.lanes import LaneInstance, LaneModel, brute_force, solve_lanes
+from optimizer.packing import validate_schedule
+from tests.unit._simulate_fixtures import config, knee50, make_profile
+
+
+def synthetic(base: float, per_item: float, knee: float):
+    """L(b, p): base + per_item * b from the knee up, work-conserving below it."""
+    def lat(b: int, p: float) -> float:
+        return (base + per_item * b) * max(1.0, knee / p)
+    return lat
+
+
+@st.composite
+def instances(draw, max_models: int = 5, widths=(25.0, 50.0, 75.0, 100.0)):
+    n = draw(st.integers(1, max_models))
+    models = []
+    for i in range(n):
+        base = draw(st.floats(0.5, 10.0))
+        per = draw(st.floats(0.05, 2.0))
+        knee = draw(st.sampled_from([25.0, 50.0, 75.0, 100.0]))
+        lat = synthetic(base, per, knee)
+        slo = draw(st.floats(1.5, 15.0)) * lat(1, 100.0)
+        rate = draw(st.floats(1.0, 2000.0))
+        weight = draw(st.sampled_from([p.weight for p in Priority]))
+        models.append(LaneModel(f"m{i}", slo, rate, weight, (1, 2, 4, 8, 16), lat))
+    return LaneInstance(tuple(models), tuple(widths))
+
+
+@settings(max_examples=40, deadline=None)
+@given(instances(), st.data())
+def test_plan_beats_spatial_and_temporal_assignments(inst, data):
+    n = len(inst.models)
+    spatial_w = [100.0 / n] * n
+    temporal_caps = [data.draw(st.sampled_from(m.batches)) for m in inst.models]
+    best, ref = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps)
+    assert ref.spatial is not None and ref.temporal is not None
+    assert best.value >= ref.spatial.value - 1e-9
+    assert best.value >= ref.temporal.value - 1e-9
+    assert sum(e.width for e in best.lanes) <= inst.capacity + 1e-6
+    assert sorted(i for e in best.lanes for i in e.members) == list(range(n))
+
+
+@settings(max_examples=25, deadline=None)
+@given(instances(max_models=4, widths=(25.0, 50.0, 100.0)))
+def test_exact_search_equals_brute_force(inst):
+    best, _ = solve_lanes(inst)
+    assert math.isclose(best.value, brute_force(inst), rel_tol=1e-9, abs_tol=1e-9)
+
+
+@settings(max_examples=10, deadline=None)
+@given(instances(max_models=5, widths=(25.0, 50.0, 100.0)))
+def test_greedy_never_below_one_lane_per_model_or_temporal(inst):
+    n = len(inst.models)
+    best, ref = solve_lanes(inst, exact_max=0, spatial_widths=[100.0 / n] * n,
+                            temporal_caps=[1] * n)
+    assert best.value >= max(ref.spatial.value, ref.temporal.value) - 1e-9
+
+
+def _cfg(models, **top):
+    return config(models, **top)  # plan_lanes reads the models, not the policy
+
+
+def test_a_model_no_lane_can_fit_does_not_stop_the_others():
+    # slow: 50 ms at batch 1 on the whole device, SLO 20 ms: no plan serves it.
+    profiles = {
+        "fast": make_profile("fast", knee50),
+        "other": make_profile("other", knee50),
+        "slow": make_profile("slow", lambda b, p: 50.0 + b),
+    }
+    cfg = _cfg([
+        {"name": "fast", "slo_ms": 80, "rate_rps": 100, "max_batch_size": 16},
+        {"name": "other", "slo_ms": 120, "rate_rps": 50, "max_batch_size": 16},
+        {"name": "slow", "slo_ms": 20, "rate_rps": 10, "max_batch_size": 16},
+    ])
+    plan, sched, _ = plan_lanes(cfg, profiles, MpsSlices(100))
+    assert {m.model for m in plan.models} == {"fast", "other"}
+    assert dict(plan.unserved).keys() == {"slow"}
+    assert "51.00 ms" in dict(plan.unserved)["slow"] and "20 ms" in dict(plan.unserved)["slow"]
+    assert validate_schedule(sched, ["fast", "other"]) == []
+    policy = LanePolicy(model_params(cfg), MpsSlices(100), plan, sched)
+    assert set(policy.unserved()) == {"slow"}
+    assert set(policy.slices()) == {"fast", "other", "slow"}
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.floats(2.0, 15.0), st.floats(0.0, 400.0),
+                          st.sampled_from([4, 8, 16])), min_size=1, max_size=5),
+       st.sampled_from(["cpu", "cuda"]))
+def test_every_plan_packs_into_a_valid_schedule(specs, kind):
+    units = 4 if kind == "cpu" else 100
+    percents = (25.0, 50.0, 75.0, 100.0)
+    profiles, models = {}, []
+    for i, (f, rate, cap) in enumerate(specs):
+        name = f"m{i}"
+        profiles[name] = make_profile(name, knee50, percents=percents, kind=kind, units=units)
+        models.append({"name": name, "slo_ms": f * knee50(1, 100.0), "rate_rps": rate,
+                       "max_batch_size": cap})
+    backend = CpuSlices(tuple(range(units))) if kind == "cpu" else MpsSlices(units)
+    cfg = _cfg(models)
+    plan, sched, ref = plan_lanes(cfg, profiles, backend)
+    assert validate_schedule(sched, [m["name"] for m in models]) == []
+    lane_units = [u for lane in plan.lanes for u in lane.units]
+    assert len(lane_units) == len(set(lane_units))
+    assert sum(lane.percent for lane in plan.lanes) <= 100 + 1e-6
+    for c in ref.candidates:
+        assert plan.objective >= c.value - 1e-9
+
+
+def _view(model, items, deadline, running=False):
+    return QueueView(model, items, None if not items else 0.0, deadline, running)
+
+
+def _lane_policy():
+    profiles = {m: make_profile(m, knee50) for m in ("a", "b", "c")}
+    cfg = _cfg([
+        {"name": "a", "slo_ms": 200, "rate_rps": 10, "max_batch_size": 8},
+        {"name": "b", "slo_ms": 200, "rate_rps": 10, "max_batch_size": 8},
+        {"name": "c", "slo_ms": 200, "rate_rps": 10, "max_batch_size": 8},
+    ])
+    plan, sched, _ = plan_lanes(cfg, profiles, MpsSlices(100))
+    return LanePolicy(model_params(cfg), MpsSlices(100), plan, sched), plan
+
+
+def test_policy_runs_earliest_deadline_first_within_a_lane_and_lanes_concurrently():
+    policy, plan = _lane_policy()
+    for lane in policy.lanes:
+        names = lane.models
+        views = {m: _view(m, 0, None) for m in policy.models}
+        for k, m in enumerate(names):
+            views[m] = _view(m, 3, 1.0 - 0.1 * k)  # the last has the earliest deadline
+        d = policy.decide(0.0, views)
+        mine = [la for la in d.launches if la.model in names]
+        assert [la.model for la in mine] == [names[-1]]
+        assert mine[0].max_items == min(3, policy.batch_cap(names[-1]))
+        # A busy lane launches nothing.
+        views[names[0]] = _view(names[0], 3, 0.5, running=True)
+        d = policy.decide(0.0, views)
+        assert not [la for la in d.launches if la.model in names]
+    # Every lane with work launches at once.
+    views = {m: _view(m, 1, 1.0) for m in policy.models}
+    d = policy.decide(0.0, views)
+    assert len(d.launches) == len(policy.lanes)
+
+
+def test_policy_shrinks_a_batch_to_meet_the_head_deadline():
+    policy, _ = _lane_policy()
+    m = next(iter(policy.models))
+    policy.use_estimates({m: LinearLatency.from_points(1, 0.010, 8, 0.017)})
+    views = {n: _view(n, 0, None) for n in policy.models}
+    views[m] = _view(m, 8, 0.0125)  # 3 items take 0.012 s, 4 take 0.013 s
+    d = policy.decide(0.0, views)
+    (la,) = [la for la in d.launches if la.model == m]
+    assert la.max_items == min(3, policy.batch_cap(m))
