@@ -159,12 +159,17 @@ def test_policy_runs_earliest_deadline_first_within_a_lane_and_lanes_concurrentl
     assert len(d.launches) == len(policy.lanes)
 
 
-def test_policy_shrinks_a_batch_to_meet_the_head_deadline():
+def test_policy_takes_a_full_batch_and_a_lone_model_grows_to_half_its_slo():
     policy, _ = _lane_policy()
-    m = next(iter(policy.models))
-    policy.use_estimates({m: LinearLatency.from_points(1, 0.010, 8, 0.017)})
     views = {n: _view(n, 0, None) for n in policy.models}
-    views[m] = _view(m, 8, 0.0125)  # 3 items take 0.012 s, 4 take 0.013 s
-    d = policy.decide(0.0, views)
-    (la,) = [la for la in d.launches if la.model == m]
-    assert la.max_items == min(3, policy.batch_cap(m))
+    for lane in policy.lanes:
+        m = lane.models[0]
+        views[m] = _view(m, 100, 0.0001)  # the head cannot make it: still a full batch
+        d = policy.decide(0.0, views)
+        (la,) = [la for la in d.launches if la.model == m]
+        assert la.max_items == policy.batch_cap(m) >= lane.caps[0]
+        views[m] = _view(m, 0, None)
+    alone = [lane.models[0] for lane in policy.lanes if len(lane.models) == 1]
+    for m in alone:  # SLO 200 ms: half is 100 ms, 10 ms + 10 ms per item fits 8 (the max)
+        policy.use_estimates({m: LinearLatency.from_points(1, 0.020, 8, 0.090)})
+        assert policy.batch_cap(m) == 8
