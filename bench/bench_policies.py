@@ -1,0 +1,486 @@
+"""The policy suite: a seeded set of random mixes, every policy in the simulator, and how
+the `dstack` policy compares with the baselines and with the ideal bound.
+
+Each mix draws (docs/simulator.md, "The policy suite"):
+
+- a device: profiles/nvidia-h100-80gb-hbm3, profiles/reference-v100 or profiles/cpu, in
+  turn (a third each; the order of the three is drawn from the seed);
+- 2-6 models from that directory (distinct ones first, then aliases of them: `zoo_name`);
+- per model: max batch 8, 16 or 32, and an SLO of f x its batch-1 latency on the whole
+  device (the largest profiled percentage), f uniform in [2, 15];
+- a load, uniform in [0.3, 1.5] of the device, split among the models by a flat Dirichlet:
+  model m's mean rate is share_m x load / c_m, where c_m is its cheapest device-seconds per
+  request that can meet its SLO (`dstack.simulate.ideal.cost_per_request_s`), so that
+  load = sum_m rate_m x c_m; each model's `rate_rps` is that mean rate;
+- arrivals: Poisson for about half the mixes; the others a burst of every model, a burst of
+  one model, or a ramp up or down, scaled so that the mean rate is still rate_m.
+
+Every mix runs every policy (temporal, shared, spatial, dstack) on the same arrivals. A
+policy that cannot start (or crashes) counts as goodput 0. Then configs/reference-v100.yaml
+(its own rates, Poisson) and a summary against the targets of the dstack policy. Results
+also go to out/bench/bench_policies.json. The exit code is 0 whatever the figures.
+
+    .venv/bin/python -m bench.bench_policies [--mixes 40] [--seed 1] [--duration 60] [--jobs 2]
+    .venv/bin/python -m bench.bench_policies --config configs/reference-v100.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dstack.simulate import cost_per_request_s, generate, latency_ms, simulate
+
+try:
+    from dstack.common.config import DeployConfig, PolicyName, load_config, parse_config
+    from dstack.common.types import Profile, load_profiles
+    from dstack.policies.planning import served_profiles
+except ImportError:  # a commit before the package split (to measure an older main)
+    from dstack.config import (  # type: ignore[no-redef]
+        DeployConfig,
+        PolicyName,
+        load_config,
+        parse_config,
+    )
+    from dstack.planning import served_profiles  # type: ignore[no-redef]
+    from dstack.types import Profile, load_profiles  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT / "profiles"
+DEVICES = ("nvidia-h100-80gb-hbm3", "reference-v100", "cpu")
+DEVICE_SHORT = {"nvidia-h100-80gb-hbm3": "h100", "reference-v100": "v100", "cpu": "cpu"}
+POLICIES = ("temporal", "shared", "spatial", "dstack")
+BASELINES = ("temporal", "shared", "spatial")
+REFERENCE = ROOT / "configs" / "reference-v100.yaml"
+DEFAULT_OUT = ROOT / "out" / "bench" / "bench_policies.json"
+
+MODELS_RANGE = (2, 6)
+SLO_FACTOR_RANGE = (2.0, 15.0)
+LOAD_RANGE = (0.3, 1.5)
+MAX_BATCHES = (8, 16, 32)
+DEFAULT_DURATION_S = 60.0
+DEFAULT_MAX_REQUESTS = 150_000
+MIN_DURATION_S = 10.0
+
+# The targets of the dstack policy (the project's open issue).
+TARGET_VS_BEST = 0.98
+TARGET_MEDIAN_IDEAL = 0.90
+TARGET_REFERENCE_IDEAL = 0.95
+
+SHORT = {"alexnet": "alex", "resnet50": "r50", "resnet18": "r18", "vgg19": "vgg19",
+         "densenet121": "dn121", "efficientnet_b0": "effb0", "mobilenet_v3_large": "mnv3l",
+         "mobilenet_v3_small": "mnv3s", "vit_b_16": "vitb16", "tiny_cnn": "tiny"}
+
+
+@dataclass(frozen=True)
+class MixModel:
+    name: str  # served name; an alias of `zoo` for a second copy
+    zoo: str
+    slo_ms: float
+    slo_factor: float  # slo_ms / batch-1 latency on the whole device
+    max_batch: int
+    share: float  # of the load
+    cost_s: float  # c_m: cheapest device-seconds per request within the SLO
+    rate_rps: float  # mean rate (the config's rate_rps)
+    base_rate_rps: float  # the rate given to the workload generator (before its shape)
+
+
+@dataclass(frozen=True)
+class Mix:
+    id: str
+    device_dir: str  # a directory under profiles/ (or the config's, for --config)
+    models: tuple[MixModel, ...]
+    load: float  # sum of rate_rps x cost_s
+    arrival_kind: str  # poisson | burst | burst1 | ramp
+    workload: str  # the generator's SPEC
+    duration_s: float
+    seed: int  # the workload's seed
+    config_file: str = ""  # --config mode and the reference row: run this file as is
+
+
+@dataclass
+class MixResult:
+    mix: Mix
+    ideal_rps: float
+    requests: int
+    goodput_rps: dict[str, float]
+    ratio_ideal: dict[str, float]  # goodput / ideal bound
+    errors: dict[str, str]  # policy -> why it could not run (goodput counted as 0)
+    vs_best: float  # dstack / best baseline (1.0 when every baseline served nothing)
+    best_baseline: str
+    wall_s: float
+    detail: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def duration_for(total_rate_rps: float, duration_s: float, max_requests: int) -> float:
+    """The mix's virtual duration: `duration_s`, shortened so that about `max_requests`
+    arrive (never below MIN_DURATION_S, nor above `duration_s`)."""
+    if total_rate_rps <= 0:
+        return duration_s
+    return min(duration_s, max(MIN_DURATION_S, max_requests / total_rate_rps))
+
+
+def _profiles(device_dir: str) -> dict[str, Profile]:
+    return load_profiles(PROFILES / device_dir)
+
+
+def draw_mix(seed: int, index: int, duration_s: float = DEFAULT_DURATION_S,
+             max_requests: int = DEFAULT_MAX_REQUESTS) -> Mix:
+    """Mix `index` of the suite for `seed` (independent of how many mixes are drawn)."""
+    order = np.random.default_rng([seed, 0x5EED]).permutation(len(DEVICES))
+    device_dir = DEVICES[int(order[index % len(DEVICES)])]
+    rng = np.random.default_rng([seed, index])
+    profiles = _profiles(device_dir)
+    names = sorted(profiles)
+    k = int(rng.integers(MODELS_RANGE[0], MODELS_RANGE[1] + 1))
+    distinct = [names[int(i)] for i in rng.permutation(len(names))[:k]]
+    extra = [names[int(i)] for i in rng.integers(0, len(names), k - len(distinct))]
+    zoos = distinct + extra
+    shares = rng.dirichlet(np.ones(k))
+    load = float(rng.uniform(*LOAD_RANGE))
+    drafts = []
+    copies: dict[str, int] = {}
+    for zoo, share in zip(zoos, shares, strict=True):
+        copies[zoo] = copies.get(zoo, 0) + 1
+        name = zoo if copies[zoo] == 1 else f"{zoo}-{copies[zoo]}"
+        prof = profiles[zoo]
+        factor = float(rng.uniform(*SLO_FACTOR_RANGE))
+        slo_ms = factor * latency_ms(prof, 1, max(prof.percentages))
+        max_batch = int(rng.choice(MAX_BATCHES))
+        cost = cost_per_request_s(prof, slo_ms, max_batch)
+        rate = float(share) * load / cost
+        drafts.append((name, zoo, slo_ms, factor, max_batch, float(share), cost, rate))
+    total_rate = sum(d[-1] for d in drafts)
+    dur = duration_for(total_rate, duration_s, max_requests)
+    # The arrival shape; `mult[name]` is the mean of its rate multiplier over the run.
+    u = rng.random()
+    mult = {d[0]: 1.0 for d in drafts}
+    if u < 0.5:
+        kind, spec = "poisson", "poisson"
+    else:
+        v = int(rng.integers(0, 3))
+        if v < 2:
+            x = round(float(rng.uniform(2.0, 4.0)), 1)
+            start = round(float(rng.uniform(0.2, 0.6)) * dur, 3)
+            length = round(float(rng.uniform(0.1, 0.25)) * dur, 3)
+            m = 1.0 + (x - 1.0) * length / dur
+            if v == 0:
+                kind, spec = "burst", f"burst:x{x}@{start}s+{length}s"
+                mult = {n: m for n in mult}
+            else:
+                target = drafts[int(rng.integers(0, k))][0]
+                kind, spec = "burst1", f"burst:x{x}@{start}s+{length}s:{target}"
+                mult[target] = m
+        else:
+            lo = round(float(rng.uniform(0.3, 1.0)), 2)
+            hi = round(float(rng.uniform(1.2, 2.5)), 2)
+            a, b = (lo, hi) if rng.random() < 0.5 else (hi, lo)
+            kind, spec = "ramp", f"ramp:{a}..{b}"
+            mult = {n: (a + b) / 2 for n in mult}
+    models = tuple(
+        MixModel(name, zoo, slo_ms, factor, max_batch, share, cost, rate, rate / mult[name])
+        for name, zoo, slo_ms, factor, max_batch, share, cost, rate in drafts
+    )
+    return Mix(f"m{index:02d}", device_dir, models, load, kind, spec, dur,
+               int(rng.integers(0, 2**31 - 1)))
+
+
+def draw_suite(seed: int, n: int, duration_s: float = DEFAULT_DURATION_S,
+               max_requests: int = DEFAULT_MAX_REQUESTS) -> list[Mix]:
+    return [draw_mix(seed, i, duration_s, max_requests) for i in range(n)]
+
+
+def mix_config(mix: Mix) -> DeployConfig:
+    profile_dir = PROFILES / mix.device_dir
+    kind = next(iter(_profiles(mix.device_dir).values())).device.kind
+    models: list[dict[str, Any]] = []
+    for m in mix.models:
+        entry: dict[str, Any] = {
+            "name": m.name, "slo_ms": m.slo_ms, "max_batch_size": m.max_batch,
+            "rate_rps": m.rate_rps,
+            # The default batching window (2 ms) must stay below the SLO (some H100 SLOs
+            # are ~1 ms).
+            "max_queue_delay_ms": min(2.0, m.slo_ms / 4),
+        }
+        if m.zoo != m.name:
+            entry["zoo_name"] = m.zoo
+        models.append(entry)
+    return parse_config({"device": "cpu" if kind == "cpu" else "cuda", "policy": "shared",
+                         "profiles": str(profile_dir), "models": models})
+
+
+def config_mix(path: str | Path, seed: int, duration_s: float, max_requests: int,
+               workload: str = "poisson", mix_id: str = "config") -> Mix:
+    """A Mix for a config file run as is (its own rates, SLOs and batch sizes)."""
+    cfg = load_config(path)
+    profiles = served_profiles(cfg, check_device=False)
+    models = []
+    load = 0.0
+    for m in cfg.models:
+        prof = profiles[m.name]
+        cost = cost_per_request_s(prof, m.slo_ms, m.max_batch_size)
+        load += m.rate_rps * cost
+        models.append(MixModel(m.name, m.zoo, m.slo_ms,
+                               m.slo_ms / latency_ms(prof, 1, max(prof.percentages)),
+                               m.max_batch_size, 0.0, cost, m.rate_rps, m.rate_rps))
+    total = sum(m.rate_rps for m in models)
+    share = [m.rate_rps * m.cost_s / load if load > 0 else 0.0 for m in models]
+    models = [MixModel(m.name, m.zoo, m.slo_ms, m.slo_factor, m.max_batch, s, m.cost_s,
+                       m.rate_rps, m.base_rate_rps) for m, s in zip(models, share, strict=True)]
+    device_dir = Path(cfg.profiles).name if cfg.profiles is not None else "?"
+    kind = workload.split(":", 1)[0]
+    return Mix(mix_id, device_dir, tuple(models), load, kind, workload,
+               duration_for(total, duration_s, max_requests), seed, str(path))
+
+
+def _failed_policy(detail: dict[str, dict[str, float]], pol: str) -> None:
+    detail[pol] = {"goodput_rps": 0.0, "slo_attainment_pct": 0.0, "refused": 0, "late": 0,
+                   "utilisation_pct": 0.0}
+
+
+def run_mix(mix: Mix, policies: tuple[str, ...] = POLICIES) -> MixResult:
+    """Every policy on the mix's arrivals. A policy that cannot start or raises gets goodput
+    0 and its reason in `errors`."""
+    t0 = time.perf_counter()
+    if mix.config_file:
+        cfg = load_config(mix.config_file)
+    else:
+        cfg = mix_config(mix)
+    profiles = served_profiles(cfg, check_device=False)
+    arrivals = generate(mix.workload, {m.name: m.base_rate_rps for m in mix.models},
+                        mix.duration_s, mix.seed)
+    goodput: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    detail: dict[str, dict[str, float]] = {}
+    ideal = math.nan
+    for pol in policies:
+        try:
+            sim = simulate(cfg, profiles, arrivals, [PolicyName(pol)], mix.duration_s)
+        except Exception as e:  # a policy being rewritten may crash: count it, go on
+            errors[pol] = f"crashed: {type(e).__name__}: {e}"
+            traceback.print_exc(file=sys.stderr)
+            goodput[pol] = 0.0
+            _failed_policy(detail, pol)
+            continue
+        ideal = sim.ideal_rps
+        r = sim.reports[0]
+        goodput[pol] = r.goodput_rps
+        if r.error:
+            errors[pol] = r.error
+            _failed_policy(detail, pol)
+        else:
+            detail[pol] = {"goodput_rps": r.goodput_rps,
+                           "slo_attainment_pct": r.slo_attainment_pct,
+                           "refused": r.refused, "late": r.late,
+                           "utilisation_pct": r.utilisation_pct,
+                           "per_model_goodput_rps": r.per_model_goodput_rps}  # type: ignore[dict-item]
+    ratio = {p: (g / ideal if ideal > 0 else 0.0) for p, g in goodput.items()}
+    base = {p: goodput[p] for p in BASELINES if p in goodput}
+    best = max(base, key=lambda p: base[p]) if base else ""
+    best_g = base.get(best, 0.0)
+    vs_best = goodput.get("dstack", 0.0) / best_g if best_g > 0 else 1.0
+    return MixResult(mix, ideal, int(arrivals.times.size), goodput, ratio, errors, vs_best,
+                     best, time.perf_counter() - t0, detail)
+
+
+def short_models(mix: Mix) -> str:
+    counts: dict[str, int] = {}
+    for m in mix.models:
+        counts[m.zoo] = counts.get(m.zoo, 0) + 1
+    return ",".join(SHORT.get(z, z[:6]) + (f"x{c}" if c > 1 else "") for z, c in counts.items())
+
+
+HEADER = (f"{'id':5s} {'device':6s} {'models':30s} {'load':>5s} {'arrivals':8s} "
+          f"{'temporal':>8s} {'shared':>8s} {'spatial':>8s} {'dstack':>8s} {'d/best':>7s} "
+          f"{'reqs':>8s} {'wall':>6s}")
+
+
+def format_row(r: MixResult) -> str:
+    cols = []
+    for p in POLICIES:
+        if p not in r.goodput_rps:
+            cols.append(f"{'-':>8s}")
+        elif p in r.errors:
+            cols.append(f"{'fail':>8s}")
+        else:
+            cols.append(f"{r.ratio_ideal[p]:8.3f}")
+    flag = " <" if r.vs_best < TARGET_VS_BEST else ""
+    return (f"{r.mix.id:5s} {DEVICE_SHORT.get(r.mix.device_dir, r.mix.device_dir[:6]):6s} "
+            f"{short_models(r.mix)[:30]:30s} {r.mix.load:5.2f} {r.mix.arrival_kind:8s} "
+            + " ".join(cols) + f" {r.vs_best:7.3f} {r.requests:8d} {r.wall_s:5.1f}s{flag}")
+
+
+def served_nothing(r: MixResult) -> bool:
+    """dstack served nothing while some baseline served something."""
+    return r.goodput_rps.get("dstack", 0.0) <= 0 and any(
+        r.goodput_rps.get(p, 0.0) > 0 for p in BASELINES)
+
+
+def summarise(results: list[MixResult], reference: MixResult | None,
+              wall_s: float) -> tuple[dict[str, Any], list[str]]:
+    """The summary figures and the lines that print them (targets included)."""
+    n = len(results)
+    ok = [r for r in results if r.vs_best >= TARGET_VS_BEST]
+    worst = min(results, key=lambda r: r.vs_best) if results else None
+    med = {p: statistics.median(r.ratio_ideal.get(p, 0.0) for r in results) if results
+           else math.nan for p in POLICIES}
+    nothing = [r.mix.id for r in results if served_nothing(r)]
+    all_zero = [r.mix.id for r in results if all(g <= 0 for g in r.goodput_rps.values())]
+    failures = [f"{r.mix.id}/{p}: {e}" for r in results + ([reference] if reference else [])
+                for p, e in r.errors.items()]
+    ref_ideal = reference.ratio_ideal.get("dstack", 0.0) if reference else math.nan
+    ref_best = reference.vs_best if reference else math.nan
+    every = len(ok) == n and (reference is None or ref_best >= TARGET_VS_BEST)
+    fig = {
+        "mixes": n, "dstack_ge_target_vs_best": len(ok),
+        "worst_vs_best": worst.vs_best if worst else math.nan,
+        "worst_mix": worst.mix.id if worst else "",
+        "median_ratio_ideal": med, "dstack_served_nothing": nothing,
+        "every_policy_served_nothing": all_zero, "failures": failures,
+        "reference_dstack_ideal": ref_ideal, "reference_vs_best": ref_best,
+        "wall_s": wall_s,
+    }
+    lines = ["summary:"]
+    lines.append(f"  dstack >= {TARGET_VS_BEST}x best baseline: {len(ok)}/{n} mixes"
+                 + (f" (reference-v100: {ref_best:.3f})" if reference else ""))
+    if worst:
+        lines.append(f"  worst dstack/best baseline: {worst.vs_best:.3f} on {worst.mix.id} "
+                     f"({DEVICE_SHORT.get(worst.mix.device_dir, worst.mix.device_dir)} "
+                     f"{short_models(worst.mix)}, load {worst.mix.load:.2f}, "
+                     f"{worst.mix.arrival_kind}; best baseline {worst.best_baseline})")
+    lines.append("  median goodput/ideal: " + ", ".join(f"{p} {med[p]:.3f}" for p in
+                                                         ("dstack",) + BASELINES))
+    started = [r for r in results if "dstack" in r.goodput_rps and "dstack" not in r.errors]
+    if started:
+        lines.append(f"  where dstack started ({len(started)} mixes): median dstack/ideal "
+                     f"{statistics.median(r.ratio_ideal['dstack'] for r in started):.3f}, "
+                     f"median dstack/best baseline "
+                     f"{statistics.median(r.vs_best for r in started):.3f}")
+    lines.append(f"  dstack served nothing while a baseline served: {len(nothing)} mixes"
+                 + (f" ({', '.join(nothing)})" if nothing else ""))
+    lines.append(f"  every policy served nothing: {len(all_zero)} mixes"
+                 + (f" ({', '.join(all_zero)})" if all_zero else ""))
+    lines.append(f"  policies that could not run (goodput 0): {len(failures)}")
+    lines.extend(f"    {f[:110]}{'...' if len(f) > 110 else ''}" for f in failures)
+    if reference:
+        lines.append(f"  reference-v100: dstack/ideal {ref_ideal:.3f}, "
+                     f"dstack/best baseline {ref_best:.3f} ({reference.best_baseline})")
+    lines.append(f"  wall time: {wall_s:.1f} s")
+
+    def mark(met: bool) -> str:
+        return "[met]   " if met else "[MISSED]"
+
+    lines.append("targets:")
+    lines.append(f"  {mark(every)} dstack >= {TARGET_VS_BEST}x best baseline on every mix: "
+                 f"{len(ok)}/{n}" + (f", reference {ref_best:.3f}" if reference else ""))
+    lines.append(f"  {mark(med['dstack'] >= TARGET_MEDIAN_IDEAL)} median dstack/ideal >= "
+                 f"{TARGET_MEDIAN_IDEAL:.2f}: {med['dstack']:.3f}")
+    if reference:
+        lines.append(f"  {mark(ref_ideal >= TARGET_REFERENCE_IDEAL)} dstack/ideal >= "
+                     f"{TARGET_REFERENCE_IDEAL:.2f} on configs/reference-v100.yaml: "
+                     f"{ref_ideal:.3f}")
+    ref_nothing = reference is not None and served_nothing(reference)
+    lines.append(f"  {mark(not nothing and not ref_nothing)} dstack never serves nothing "
+                 f"while a baseline serves: {len(nothing) + int(ref_nothing)} mixes")
+    fig["targets_met"] = {
+        "vs_best_every_mix": every,
+        "median_ideal": med["dstack"] >= TARGET_MEDIAN_IDEAL,
+        "reference_ideal": (ref_ideal >= TARGET_REFERENCE_IDEAL) if reference else None,
+        "never_nothing": not nothing and not ref_nothing,
+    }
+    return fig, lines
+
+
+def result_json(r: MixResult) -> dict[str, Any]:
+    d = asdict(r)
+    d["mix"]["models"] = [asdict(m) for m in r.mix.models]
+    return d
+
+
+def _run_all(mixes: list[Mix], jobs: int):  # noqa: ANN202 (an iterator of MixResult)
+    if jobs <= 1 or len(mixes) <= 1:
+        return map(run_mix, mixes)
+    pool = multiprocessing.get_context().Pool(min(jobs, len(mixes)))
+    return pool.imap(run_mix, mixes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mixes", type=int, default=40, help="random mixes (default 40)")
+    ap.add_argument("--seed", type=int, default=1, help="suite seed (default 1)")
+    ap.add_argument("--duration", type=float, default=DEFAULT_DURATION_S,
+                    help="virtual seconds per mix at most (default %(default)g)")
+    ap.add_argument("--max-requests", type=int, default=DEFAULT_MAX_REQUESTS,
+                    help="shorten a mix's run so about this many requests arrive (never "
+                         f"below {MIN_DURATION_S:g} s; default %(default)d)")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    ap.add_argument("--config", help="run this one config instead of the suite")
+    ap.add_argument("--workload", default="poisson", help="with --config: the workload SPEC")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the configs/reference-v100.yaml row")
+    ap.add_argument("--out", help=f"JSON results (default {DEFAULT_OUT.relative_to(ROOT)} "
+                                  "for the suite, none for --config)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.config:
+        mix = config_mix(args.config, args.seed, args.duration, args.max_requests,
+                         args.workload, "cfg")
+        print(f"{args.config}: {args.workload}, {mix.duration_s:g} s, seed {args.seed}, "
+              f"load {mix.load:.2f}")
+        print(HEADER)
+        r = run_mix(mix)
+        print(format_row(r))
+        for p, e in r.errors.items():
+            print(f"  {p}: could not run: {e}")
+        if args.out:
+            _write(Path(args.out), {"config": result_json(r)})
+        return 0
+    mixes = draw_suite(args.seed, args.mixes, args.duration, args.max_requests)
+    jobs_in = list(mixes)
+    if not args.no_reference:
+        jobs_in.append(config_mix(REFERENCE, args.seed, args.duration, args.max_requests,
+                                  "poisson", "ref"))
+    print(f"policy suite: {args.mixes} mixes, seed {args.seed}, <= {args.duration:g} virtual s "
+          f"each (~{args.max_requests} requests, >= {MIN_DURATION_S:g} s), {args.jobs} jobs; "
+          f"columns: goodput / ideal bound per policy, dstack / best baseline")
+    print(HEADER)
+    results: list[MixResult] = []
+    reference: MixResult | None = None
+    for r in _run_all(jobs_in, args.jobs):
+        if r.mix.config_file:
+            reference = r
+            print(f"reference: {Path(r.mix.config_file).name} (its own rates, Poisson)")
+        else:
+            results.append(r)
+        print(format_row(r), flush=True)
+    wall = time.perf_counter() - t0
+    fig, lines = summarise(results, reference, wall)
+    print()
+    print("\n".join(lines))
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    _write(out, {"seed": args.seed, "mixes": [result_json(r) for r in results],
+                 "reference": result_json(reference) if reference else None,
+                 "summary": fig, "args": vars(args)})
+    print(f"written to {out}")
+    return 0
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
