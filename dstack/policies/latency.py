@@ -66,7 +66,7 @@ class LinearLatency:
             far = -1
         if far == 0:
             self.far_streak = 0
-        elif (far > 0) == (self.far_streak > 0):
+        elif (far > 0) == (self.far_streak > 0) and self.far_streak != 0:
             self.far_streak += far
         else:
             self.far_streak = far
@@ -78,6 +78,17 @@ class LinearLatency:
         share_k = self.k_s / pred
         self.k_s = max(1e-6, self.k_s + alpha * err * share_k)
         self.t_s = max(0.0, self.t_s + alpha * err * (1 - share_k) / max(n, 1))
+
+    @cython.ccall
+    def remeasure(self, n: cython.long, seconds: cython.double) -> cython.void:
+        """A probe's measurement (the estimate was refusing requests): believed at once,
+        the line scaled to pass through it."""
+        pred: cython.double = self.estimate_s(n)
+        self.observations += 1
+        self.far_streak = 0
+        if pred > 0 and seconds > 0:
+            self.k_s = max(1e-6, self.k_s * seconds / pred)
+            self.t_s = self.t_s * seconds / pred
 
     def max_batch_within(self, budget_s: float, cap: int) -> int:
         """Largest n <= cap with estimate_s(n) <= budget_s (0 when even n=1 does not fit)."""

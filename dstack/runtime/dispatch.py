@@ -395,7 +395,10 @@ class DispatchCore:
             if now <= t.deadline:
                 c.within_slo += 1
         if st.estimate is not None:
-            st.estimate.observe(batch.n, compute_s)
+            if st.probing:  # the estimate was refusing requests: believe the probe
+                st.estimate.remeasure(batch.n, compute_s)
+            else:
+                st.estimate.observe(batch.n, compute_s)
             st.learned()
         st.probing = False
         st.est_refused_at = None

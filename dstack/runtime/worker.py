@@ -194,7 +194,8 @@ class WorkerHandle:
     async def start(self, timeout_s: float = 300.0) -> Ready:
         self._loop = asyncio.get_running_loop()
         self._ready_fut = self._loop.create_future()
-        self.proc.start()
+        # Starting a spawned interpreter takes tens of ms on a busy machine: not on the loop.
+        await asyncio.to_thread(self.proc.start)
         self._child_conn.close()
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
         try:

@@ -1,0 +1,247 @@
+"""The dispatch core on a fake clock with a fake worker: admission, refusal rules, probes,
+completion, counters, and faults in the policy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from dstack.common.config import PolicyName
+from dstack.common.slices import CpuSlices
+from dstack.policies.contract import Decision, ModelParams, QueueView
+from dstack.policies.latency import LinearLatency
+from dstack.policies.registry import make_policy
+from dstack.runtime.dispatch import (
+    Batch,
+    CoreModel,
+    DispatchCore,
+    Refusal,
+    RefusalReason,
+    Ticket,
+)
+
+A, B = "a", "b"
+
+
+def core_for(policy: str = "shared", *, slo_s: float = 0.1, max_queue: int = 64,
+             estimates: dict[str, LinearLatency] | None = None, probe_s: float = 1.0,
+             policy_obj: object = None) -> DispatchCore:
+    params = {m: ModelParams(m, 4, 0.0, slo_s) for m in (A, B)}
+    pol = policy_obj or make_policy(PolicyName(policy), params, CpuSlices((0, 1)))
+    return DispatchCore([CoreModel(m, slo_s, 4, max_queue) for m in (A, B)], pol,
+                        estimates, now=0.0, probe_s=probe_s)
+
+
+def trusted(k_s: float, t_s: float = 0.0) -> LinearLatency:
+    return LinearLatency(k_s, t_s, observations=10)
+
+
+def run(core: DispatchCore, b: Batch, seconds: float) -> tuple[Ticket, ...]:
+    """The fake worker: the batch takes `seconds`, then the core is told."""
+    done = core.complete(b, seconds, b.started + seconds)
+    core.notify_policy(b, seconds, b.started + seconds)
+    return done
+
+
+def test_admitted_requests_are_launched_fifo_and_counted() -> None:
+    core = core_for()
+    t1, t2 = core.admit(A, 1, 0.0), core.admit(A, 2, 0.001)
+    assert isinstance(t1, Ticket) and isinstance(t2, Ticket)
+    assert t1.deadline == pytest.approx(0.1)
+    s = core.step(0.001)
+    assert [b.model for b in s.launches] == [A]
+    b = s.launches[0]
+    assert b.tickets == (t1, t2) and b.n == 3
+    assert core.running(A) and core.queue_items(A) == 0
+    assert run(core, b, 0.01) == (t1, t2)
+    c = core.counters(A)
+    assert (c.arrived, c.admitted, c.served, c.within_slo, c.batches, c.items) == (2, 2, 2, 2, 1, 3)
+    assert not core.running(A)
+
+
+def test_a_full_queue_refuses_with_its_rule() -> None:
+    core = core_for(max_queue=2)
+    assert isinstance(core.admit(A, 2, 0.0), Ticket)
+    r = core.admit(A, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.QUEUE_FULL
+    assert "queue is full" in r.message
+    assert isinstance(core.admit(B, 1, 0.0), Ticket)  # the other model is not affected
+    assert core.counters(A).refused == {"queue_full": 1, "unplanned": 0, "work_ahead": 0,
+                                        "expired": 0}
+
+
+def test_work_ahead_refuses_only_on_a_trusted_estimate() -> None:
+    # 40 ms per batch of up to 4, SLO 100 ms: 8 items queued ahead = two batches (80 ms)
+    # then its own (40 ms) ends at 120 ms > 100 ms.
+    seed = LinearLatency(0.04, 0.0)  # not trusted yet: refuses nothing
+    core = core_for(estimates={A: seed})
+    for _ in range(9):
+        assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    core2 = core_for(estimates={A: trusted(0.04)})
+    for _ in range(8):
+        assert isinstance(core2.admit(A, 1, 0.0), Ticket)
+    r = core2.admit(A, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "8 items are queued ahead" in r.message and "SLO of 100 ms" in r.message
+    # With 4 ahead it fits (one batch of 4 then its own: 80 ms).
+    core3 = core_for(estimates={A: trusted(0.04)})
+    for _ in range(5):
+        assert isinstance(core3.admit(A, 1, 0.0), Ticket)
+
+
+def test_a_queued_request_that_can_no_longer_make_it_is_refused_as_expired() -> None:
+    core = core_for(estimates={A: trusted(0.03)})
+    t = core.admit(A, 1, 0.0)
+    assert isinstance(t, Ticket)
+    core._m[0].running = True  # noqa: SLF001 - a batch of A is running (fake)
+    s = core.step(0.05)
+    assert s.refusals == () and s.wake_at == pytest.approx(0.07)  # 100 ms - 30 ms
+    s = core.step(0.0701)
+    assert [r.reason for r in s.refusals] == [RefusalReason.EXPIRED]
+    assert s.refusals[0].ticket is t and "waited 70.1 ms" in s.refusals[0].message
+
+
+def test_a_batch_drops_the_heads_it_would_answer_late() -> None:
+    core = core_for(estimates={A: trusted(0.01, 0.02)})  # 4 items: 90 ms
+    old = core.admit(A, 1, 0.0)
+    new = [core.admit(A, 1, 0.04) for _ in range(3)]
+    s = core.step(0.04)  # whole batch of 4 would end at 130 ms > old's 100 ms deadline
+    assert [r.ticket for r in s.refusals] == [old]
+    assert s.launches[0].tickets == tuple(new)
+
+
+def test_an_estimate_that_refuses_is_reprobed_within_the_probe_time() -> None:
+    """A stale estimate ("500 ms") refuses at first; once the model has been idle for the
+    probe time the next request goes through, and its batch corrects the estimate."""
+    core = core_for(estimates={A: trusted(0.5)}, probe_s=1.0)
+    r = core.admit(A, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert isinstance(core.admit(A, 1, 0.5), Refusal)  # within the probe time: still refused
+    probe = core.admit(A, 1, 1.0)
+    assert isinstance(probe, Ticket)
+    s = core.step(1.0)
+    assert s.refusals == () and s.launches[0].tickets == (probe,)
+    # Meanwhile the estimate refuses nothing: the probe is under way.
+    assert isinstance(core.admit(A, 1, 1.001), Ticket)
+    run(core, s.launches[0], 0.005)
+    for _ in range(3):  # real batches: the estimate comes down and stops refusing
+        s = core.step(1.01)
+        for b in s.launches:
+            run(core, b, 0.005)
+        core.admit(A, 1, 1.01)
+    assert core.estimates[A].estimate_s(1) < 0.1
+    assert isinstance(core.admit(A, 1, 1.1), Ticket)
+
+
+def test_unserved_models_are_refused_and_the_others_served() -> None:
+    class Partial:
+        name = PolicyName.SHARED
+
+        def __init__(self) -> None:
+            self.inner = make_policy(PolicyName.SHARED,
+                                     {m: ModelParams(m, 4, 0.0, 0.1) for m in (A, B)},
+                                     CpuSlices((0, 1)))
+
+        def __getattr__(self, item: str) -> object:
+            return getattr(self.inner, item)
+
+        def unserved(self) -> Mapping[str, str]:
+            return {B: "b needs 300 ms at batch 1 on 100%; its SLO is 100 ms"}
+
+    core = core_for(policy_obj=Partial())
+    r = core.admit(B, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.UNPLANNED
+    assert "needs 300 ms" in r.message
+    assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    assert [b.model for b in core.step(0.0).launches] == [A]
+
+
+class Raising:
+    """A policy whose decide (or batch-done) raises, as a bug would."""
+
+    name = PolicyName.SHARED
+
+    def __init__(self, *, in_decide: bool = True) -> None:
+        self.in_decide = in_decide
+        self.fail = True
+
+    def slices(self) -> dict:
+        return {}
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
+        if self.in_decide and self.fail:
+            raise ZeroDivisionError("policy bug")
+        from dstack.policies.contract import Launch
+        return Decision(tuple(Launch(m, 4) for m, q in queues.items()
+                              if q.items and not q.running))
+
+    def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
+        if not self.in_decide and self.fail:
+            raise ZeroDivisionError("policy bug after a batch")
+
+    def use_estimates(self, estimates: object) -> None: ...
+
+    def reanchor(self, now: float) -> None: ...
+
+    def batch_cap(self, model: str) -> int:
+        return 4
+
+    def unserved(self) -> Mapping[str, str]:
+        return {}
+
+    def plan(self) -> None: ...
+
+    def schedule(self) -> None: ...
+
+
+def test_a_policy_that_raises_in_decide_fails_the_queued_requests_and_later_ones_are_served() -> None:
+    pol = Raising()
+    core = core_for(policy_obj=pol)
+    t1, t2 = core.admit(A, 1, 0.0), core.admit(B, 1, 0.0)
+    s = core.step(0.0)
+    assert s.launches == () and len(s.failures) == 1
+    f = s.failures[0]
+    assert set(f.tickets) == {t1, t2} and "ZeroDivisionError" in f.message
+    assert isinstance(f.error, ZeroDivisionError)
+    assert core.queue_items(A) == core.queue_items(B) == 0
+    pol.fail = False
+    t3 = core.admit(A, 1, 0.1)
+    s = core.step(0.1)
+    assert s.launches[0].tickets == (t3,)
+
+
+def test_a_policy_that_raises_after_a_batch_still_gets_the_batch_answered() -> None:
+    pol = Raising(in_decide=False)
+    core = core_for(policy_obj=pol)
+    t = core.admit(A, 1, 0.0)
+    b = core.step(0.0).launches[0]
+    assert core.complete(b, 0.01, 0.01) == (t,)  # answered first ...
+    with pytest.raises(ZeroDivisionError):
+        core.notify_policy(b, 0.01, 0.01)  # ... then the policy's bug surfaces
+    t2 = core.admit(A, 1, 0.02)
+    assert core.step(0.02).launches[0].tickets == (t2,)
+
+
+def test_a_failed_batch_returns_its_tickets_and_frees_the_model() -> None:
+    core = core_for()
+    t = core.admit(A, 1, 0.0)
+    b = core.step(0.0).launches[0]
+    assert core.fail(b, 0.01) == (t,)
+    assert not core.running(A) and core.counters(A).failed == 1
+    t2 = core.admit(A, 1, 0.02)
+    assert core.step(0.02).launches[0].tickets == (t2,)
+
+
+def test_blocked_models_launch_nothing_until_unblocked() -> None:
+    core = core_for()
+    t = core.admit(A, 1, 0.0)
+    assert core.step(0.0, blocked=frozenset({A})).launches == ()
+    assert core.step(0.001).launches[0].tickets == (t,)
+
+
+def test_drain_takes_every_queued_ticket() -> None:
+    core = core_for()
+    ts = [core.admit(m, 1, 0.0) for m in (A, B, A)]
+    assert set(core.drain()) == set(ts)
+    assert core.queued == 0 and core.pending(A) == 0
