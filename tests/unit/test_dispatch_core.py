@@ -195,7 +195,7 @@ class Raising:
     def schedule(self) -> None: ...
 
 
-def test_a_policy_that_raises_in_decide_fails_the_queued_requests_and_later_ones_are_served() -> None:
+def test_a_policy_raising_in_decide_fails_the_queued_requests_later_ones_are_served() -> None:
     pol = Raising()
     core = core_for(policy_obj=pol)
     t1, t2 = core.admit(A, 1, 0.0), core.admit(B, 1, 0.0)
