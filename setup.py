@@ -12,7 +12,6 @@ COMPILED = [
     "dstack/policies/latency.py",
     "dstack/policies/contract.py",
     "dstack/policies/baselines.py",
-    "dstack/policies/dstack_policy.py",
     "dstack/runtime/dispatch.py",
     "dstack/simulate/engine.py",
 ]

@@ -70,8 +70,9 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
         b0 = min(prof.batch_sizes)
         fastest = prof.latency_ms(b0, full)
         if fastest >= m.slo_ms:
-            unserved.append((m.name, f"{m.name}: batch {b0} takes {fastest:.2f} ms on the whole "
-                                     f"device, over its {m.slo_ms:g} ms SLO"))
+            unserved.append((m.name, f"{m.name} needs {fastest:.1f} ms at batch {b0} on "
+                                     f"{full:g}%; its SLO is {m.slo_ms:g} ms: no lane can "
+                                     f"serve it"))
             continue
         served.append(m)
     models = []

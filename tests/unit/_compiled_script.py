@@ -1,5 +1,5 @@
 """Run by tests/unit/test_compiled.py, once against the compiled modules and once against
-their Python source: prints every decision of random dstack histories and a digest of
+their Python source: prints every decision of random baseline histories and a digest of
 every policy's simulation, so the two outputs must be equal line for line."""
 
 from __future__ import annotations
@@ -10,41 +10,26 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import dstack.policies.dstack_policy as dstack_policy
+import dstack.policies.baselines as baselines
 from dstack.common.config import PolicyName, parse_config
 from dstack.common.slices import MpsSlices
-from dstack.common.types import ModelPlan, Plan, Schedule, Slot, SolverStatus, load_profiles
-from dstack.policies.contract import ModelParams, QueueView
-from dstack.policies.dstack_policy import DStackPolicy
+from dstack.common.types import load_profiles
+from dstack.policies.contract import ModelParams, Policy, QueueView
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
 from dstack.simulate import generate, simulate
 
 
-def random_policy(rng: random.Random) -> DStackPolicy:
-    """Slots that straddle cycle boundaries, share units, and sum near 100%; or (roomy)
-    all fit beside each other, so reuse batches may run over many cycles."""
+def random_policy(rng: random.Random) -> Policy:
+    """A compiled baseline (the dstack lane policy is plain Python) over 2-6 models."""
     names = [f"m{i}" for i in range(rng.randint(2, 6))]
-    roomy = rng.random() < 0.4
-    cycle = rng.choice([10.0, 25.0, 36.1, 100.0 / 3])
-    slots = []
-    for i, m in enumerate(names):
-        for _ in range(rng.choice([1, 1, 2])):
-            start = rng.choice([0.0, cycle / 3, rng.uniform(0, cycle * 0.99)])
-            dur = rng.uniform(0.05, 0.7) * cycle
-            pct = rng.choice([10.0, 20.0, 100.0 / 3, 40.0, 50.0, 60.0, 100.0])
-            units = tuple(sorted(rng.sample(range(8), rng.randint(0, 3)))) if i % 2 else ()
-            if roomy:
-                pct, units = rng.choice([5.0, 8.0]), ()
-            slots.append(Slot(m, start, dur, pct, units))
-    plan = Plan(tuple(ModelPlan(m, rng.randint(1, 8), 50.0, 5.0, 100.0, 100.0, 100.0, 200.0)
-                      for m in names), cycle, 100.0, SolverStatus.OPTIMAL)
-    params = {m: ModelParams(m, 8, 0.002, 0.2) for m in names}
-    pol = make_policy(PolicyName.DSTACK, params, MpsSlices(), plan=plan,
-                      schedule=Schedule(cycle, tuple(slots)), origin=rng.uniform(-1, 5))
-    assert isinstance(pol, DStackPolicy)
-    for m in names:
-        pol.latency[m] = LinearLatency(rng.uniform(0.0005, 0.004), rng.uniform(0, 0.002))
+    params = {m: ModelParams(m, 8, rng.choice([0.0, 0.002]), 0.2) for m in names}
+    kind = rng.choice([PolicyName.SHARED, PolicyName.SPATIAL, PolicyName.TEMPORAL])
+    pol = make_policy(kind, params, MpsSlices(),
+                      knees={m: rng.choice([10.0, 30.0, 50.0]) for m in names},
+                      temporal_batch={m: rng.randint(1, 8) for m in names})
+    pol.use_estimates({m: LinearLatency(rng.uniform(0.0005, 0.004), rng.uniform(0, 0.002))
+                       for m in names})
     return pol
 
 
@@ -53,30 +38,29 @@ def histories(seeds: int) -> None:
         rng = random.Random(seed)
         pol = random_policy(rng)
         names = list(pol.models)
-        now = pol.origin + rng.uniform(0, 3)
+        now = rng.uniform(0, 3)
         running: dict[str, float] = {}
         items = dict.fromkeys(names, 0)
+        arrived = dict.fromkeys(names, now)
         for step in range(300):
-            # Steps of every size, a few of them many cycles long (the occupancy ring).
-            now += rng.choice([0.0, 1e-9, 0.0004, 0.001, 0.004, pol.cycle_s, 7 * pol.cycle_s])
+            now += rng.choice([0.0, 1e-9, 0.0004, 0.001, 0.004, 0.02])
             for m in [m for m, end in running.items() if end <= now]:
                 del running[m]
-                pol.on_batch_done(m, 1, 0.001, now)
+                pol.on_batch_done(m, rng.randint(1, 8), rng.uniform(0.0005, 0.05), now)
             for m in names:
                 if rng.random() < 0.3:
+                    if items[m] == 0:
+                        arrived[m] = now
                     items[m] += rng.randint(1, 4)
-            if rng.random() < 0.05:  # a slow estimate: reuse batches over many cycles
-                pol.latency[rng.choice(names)] = LinearLatency(rng.uniform(0.05, 0.4), 0.0)
-            views = {m: QueueView(m, items[m], now if items[m] else None,
-                                  now + 0.2 if items[m] else None, m in running)
+            views = {m: QueueView(m, items[m], arrived[m] if items[m] else None,
+                                  arrived[m] + 0.2 if items[m] else None, m in running)
                      for m in names}
             d = pol.decide(now, views)
             print(seed, step, repr(now), [(x.model, x.max_items, x.reuse) for x in d.launches],
-                  repr(d.wake_at))
+                  repr(d.wake_at), [pol.batch_cap(m) for m in names])
             for x in d.launches:
                 running[x.model] = now + rng.uniform(0.0005, 0.005)
                 items[x.model] = max(0, items[x.model] - x.max_items)
-        print(seed, "ring of", pol.clock.rows, "cycles")
 
 
 def simulations(root: Path) -> None:
@@ -102,7 +86,7 @@ def simulations(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    print("compiled" if dstack_policy.__file__.endswith((".so", ".pyd")) else "source",
+    print("compiled" if baselines.__file__.endswith((".so", ".pyd")) else "source",
           file=sys.stderr)
     histories(int(sys.argv[2]))
     simulations(Path(sys.argv[1]))

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from dstack.common.config import PolicyName
 from dstack.common.slices import CpuSlices, MpsSlices
-from dstack.common.types import ModelPlan, Plan, Schedule, Slot, SolverStatus
 from dstack.policies.baselines import TakeNow, WaitUntil, batch_window, gslice_adapt
 from dstack.policies.contract import Launch, ModelParams, QueueView
-from dstack.policies.dstack_policy import DStackPolicy
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
 from dstack.runtime.adapt import RateTracker, ReplanTrigger
@@ -107,136 +103,7 @@ def test_spatial_batch_adapts_after_each_batch() -> None:
 
 
 # --------------------------------------------------------------------------- dstack
-
-
-def two_shelf(percent_a: float = 100, percent_b: float = 100) -> tuple[Plan, Schedule]:
-    """A runs at 0-10 ms, B at 10-20 ms, cycle 25 ms."""
-    plan = Plan(
-        (ModelPlan(A, 4, percent_a, 10.0, 160.0, 100.0, 100.0, 100.0, offset_ms=0.0),
-         ModelPlan(B, 2, percent_b, 10.0, 80.0, 50.0, 50.0, 100.0, offset_ms=10.0)),
-        25.0, 150.0, SolverStatus.OPTIMAL,
-    )
-    sched = Schedule(25.0, (Slot(A, 0.0, 10.0, percent_a), Slot(B, 10.0, 10.0, percent_b)))
-    return plan, sched
-
-
-def dstack_policy(plan: Plan, sched: Schedule, lat_s: float = 0.008) -> DStackPolicy:
-    pol = make_policy(PolicyName.DSTACK, params(), MpsSlices(), plan=plan, schedule=sched,
-                      origin=0.0)
-    assert isinstance(pol, DStackPolicy)
-    for m in (A, B):
-        pol.latency[m] = LinearLatency(lat_s, 0.0)
-    return pol
-
-
-def test_dstack_runs_each_model_in_its_slot_with_its_planned_batch() -> None:
-    pol = dstack_policy(*two_shelf())
-    d = pol.decide(0.0, {A: q(A, 10), B: q(B, 10)})
-    assert d.launches == (Launch(A, 4),)  # B's slot has not begun and A holds 100%
-    assert d.wake_at == pytest.approx(0.010)
-    d = pol.decide(0.010, {A: q(A, 6), B: q(B, 10)})
-    assert d.launches == (Launch(B, 2),)
-    d = pol.decide(0.025, {A: q(A, 6), B: q(B, 8, running=True)})
-    assert d.launches == (Launch(A, 4),)  # next cycle
-
-
-@pytest.mark.parametrize("origin", [-7.3, 0.0, 4.2])
-def test_dstack_wakes_at_the_next_slot_start_wherever_the_clock_began(origin: float) -> None:
-    # The dispatcher's clock (time.monotonic) may put the origin anywhere, below 0 too.
-    pol = dstack_policy(*two_shelf())
-    pol.origin = origin
-    idle = {A: q(A), B: q(B)}
-    assert pol.decide(origin + 0.004, idle).wake_at == pytest.approx(origin + 0.010)
-    assert pol.decide(origin + 0.010, idle).wake_at == pytest.approx(origin + 0.025)
-    assert pol.decide(origin + 0.030, idle).wake_at == pytest.approx(origin + 0.035)
-
-
-def test_dstack_reuses_a_forfeited_slot_but_never_its_neighbours_busy_one() -> None:
-    pol = dstack_policy(*two_shelf())
-    # A has nothing at its slot's start: the slot is forfeited, B may use it.
-    d = pol.decide(0.0, {A: q(A), B: q(B, 3)})
-    assert d.launches == (Launch(B, 2, reuse=True),)
-    # At 5 ms B's batch (8 ms) runs on into its own slot at 10 ms: that is its own
-    # capacity, and the occurrence counts as used: no second launch at 10 ms while the
-    # batch runs. At 13 ms an 8 ms batch ends past its slot (20 ms) but before A's next
-    # one (25 ms): idle time, so it goes as reuse; at 20.5 ms it would run into A's slot.
-    pol2 = dstack_policy(*two_shelf())
-    pol2.decide(0.0, {A: q(A), B: q(B)})
-    assert pol2.decide(0.005, {A: q(A), B: q(B, 3, arrival=0.005)}).launches == (
-        Launch(B, 2, reuse=True),)
-    assert pol2.decide(0.010, {A: q(A), B: q(B, 1, 0.006, running=True)}).launches == ()
-    assert pol2.decide(0.013, {A: q(A), B: q(B, 1, 0.006)}).launches == (
-        Launch(B, 1, reuse=True),)
-    assert pol2.decide(0.0125 + 0.008, {A: q(A), B: q(B, 1, 0.014)}).launches == ()
-    # A's slot in use: B may not squeeze in beside a 100% slot
-    pol3 = dstack_policy(*two_shelf())
-    assert pol3.decide(0.0, {A: q(A, 1), B: q(B, 3)}).launches == (Launch(A, 1),)
-
-
-def test_dstack_reuse_fits_beside_a_running_slot_when_there_is_room() -> None:
-    pol = dstack_policy(*two_shelf(percent_a=40, percent_b=60))
-    pol.decide(0.0, {A: q(A), B: q(B)})  # A forfeits, B idle
-    # B, 60%, during A's (forfeited) slot and before its own: fits
-    d = pol.decide(0.0005, {A: q(A), B: q(B, 1, arrival=0.0005)})
-    assert d.launches == (Launch(B, 1, reuse=True),)
-
-
-def test_dstack_first_look_at_a_slot_launches_even_when_the_dispatcher_is_late() -> None:
-    pol = dstack_policy(*two_shelf())
-    pol.decide(0.0, {A: q(A), B: q(B)})
-    # B's slot began at 10 ms; the dispatcher only gets to it at 13 ms: its planned batch
-    # still goes, although by the estimate it ends 3 ms after the slot.
-    assert pol.decide(0.013, {A: q(A), B: q(B, 5)}).launches == (Launch(B, 2),)
-
-
-def test_dstack_runs_again_in_its_own_slot_while_the_batch_still_fits() -> None:
-    plan = Plan((ModelPlan(A, 8, 100, 20.0, 400.0, 100.0, 100.0, 100.0),
-                 ModelPlan(B, 8, 100, 20.0, 400.0, 100.0, 100.0, 100.0, offset_ms=20.0)),
-                40.0, 200.0, SolverStatus.OPTIMAL)
-    sched = Schedule(40.0, (Slot(A, 0.0, 20.0, 100.0), Slot(B, 20.0, 20.0, 100.0)))
-    pol = dstack_policy(plan, sched)  # every batch estimated at 8 ms
-    # nothing queued at A's slot start: forfeited, but A's own work may still use it
-    assert pol.decide(0.0, {A: q(A), B: q(B)}).launches == ()
-    assert pol.decide(0.002, {A: q(A, 3, 0.002), B: q(B)}).launches == (Launch(A, 3),)
-    assert pol.decide(0.011, {A: q(A, 2, 0.004), B: q(B)}).launches == (Launch(A, 2),)
-    # at 13 ms an 8 ms batch would spill past the slot's end at 20 ms: wait for next cycle
-    d = pol.decide(0.013, {A: q(A, 2, 0.012), B: q(B)})
-    assert d.launches == () and d.wake_at == pytest.approx(0.020)
-
-
-def _check_capacity(pol: DStackPolicy, seed: int) -> None:
-    """Drive the policy with random arrivals on a fake clock; at every instant the slices
-    of the batches running must sum to <= 100% and use disjoint units."""
-    rng = random.Random(seed)
-    running: dict[str, float] = {}  # model -> end time
-    items = {A: 0, B: 0}
-    now = 0.0
-    slot_of = {s.model: s for s in pol.the_schedule.slots}
-    for _ in range(400):
-        now += rng.choice([0.0005, 0.001, 0.003])
-        for m in list(running):
-            if running[m] <= now:
-                del running[m]
-                pol.on_batch_done(m, 1, 0.008, now)
-        for m in items:
-            if rng.random() < 0.3:
-                items[m] += rng.randint(1, 3)
-        views = {m: q(m, items[m], arrival=now if items[m] else None, running=m in running)
-                 for m in items}
-        for launch in pol.decide(now, views).launches:
-            assert launch.model not in running
-            running[launch.model] = now + 0.008 * rng.uniform(0.5, 1.0)  # never slower
-            items[launch.model] = max(0, items[launch.model] - launch.max_items)
-        load = sum(slot_of[m].percent for m in running)
-        assert load <= 100.0 + 1e-9, (now, running)
-        units = [u for m in running for u in slot_of[m].units]
-        assert len(units) == len(set(units))
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_dstack_idle_reuse_never_exceeds_the_device(seed: int) -> None:
-    pa = random.Random(seed).choice([40.0, 60.0, 100.0])
-    _check_capacity(dstack_policy(*two_shelf(pa, 100 - pa if pa < 100 else 100)), seed)
+# The lane policy and its planner: tests/unit/test_lanes.py.
 
 
 # --------------------------------------------------------------------------- adapting

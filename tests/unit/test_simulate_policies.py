@@ -24,8 +24,8 @@ def _two_knees(headroom: float = 0.2) -> tuple:
 
     The config declares 400 rps and plans for 400 x (1 + headroom) (`rate_headroom`, 20%
     by default): the solver picks the longest cycle that serves exactly the planned rate,
-    so a plan for exactly 400 rps has no slack for Poisson bursts (see
-    test_a_plan_without_headroom_falls_short)."""
+    so a plan for exactly 400 rps has little slack for Poisson bursts (see
+    test_a_plan_without_headroom_still_keeps_up_with_spatial)."""
     cfg = config([
         {"name": "a", "slo_ms": 100, "max_batch_size": 16, "rate_rps": 400.0},
         {"name": "b", "slo_ms": 100, "max_batch_size": 16, "rate_rps": 400.0},
@@ -48,15 +48,15 @@ def test_knees_summing_to_100_dstack_and_spatial_reach_the_ideal_temporal_does_n
         assert r.goodput_rps <= sim.ideal_rps + 1e-9
 
 
-def test_a_plan_without_headroom_falls_short() -> None:
-    # Declared rate = offered rate: the cycle is 16 / 400 rps = 40 ms, the device is
-    # planned 100% busy for the mean, and Poisson bursts queue up; the 14 ms left in each
-    # cycle are too short for a reuse batch (26 ms) that must end before its next slot.
+def test_a_plan_without_headroom_still_keeps_up_with_spatial() -> None:
+    # Declared rate = offered rate: the lane plan still gives each model its own lane
+    # (the planned rate is a floor for its caps, not a ceiling), so Poisson bursts are
+    # absorbed as under spatial.
     cfg, profiles = _two_knees(headroom=0.0)
     arr = generate("poisson", {"a": 400.0, "b": 400.0}, 10.0, seed=1)
     sim = simulate(cfg, profiles, arr, [PolicyName.DSTACK, PolicyName.SPATIAL], 10.0)
     dstack, spatial = sim.reports
-    assert dstack.ratio < 0.95 < spatial.ratio
+    assert dstack.ratio >= 0.98 * spatial.ratio
 
 
 def test_same_seed_same_report_and_another_seed_differs() -> None:
