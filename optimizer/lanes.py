@@ -169,9 +169,78 @@ def candidate_batches(profile: Profile, max_batch: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- one lane
 
 
+#: A lane whose load at its planned rates is below this is scored by its load (below).
+LOAD_AWARE_MAX = 0.9
+
+
+def _load_aware(ms: Sequence[LaneModel], caps: Sequence[int], width: float,
+                rates: Sequence[float]) -> list[tuple[float, float]]:
+    """(fraction within SLO, throughput) per model of a lane, from its load.
+
+    Each model runs batches n_m: from the smallest, the batch of the model whose growth
+    cuts the lane's load U = sum_m r_m L_m(n_m) / n_m most grows (up to its cap) while
+    U > LOAD_AWARE_MAX. Model k then holds the lane a share u_k = r_k L_k(n_k) / n_k of
+    the time; a request of m that arrives during a batch of k (its own included) it
+    cannot wait out, L_k(n_k) + L_m(n_m) > S_m, is late: f_m = 1 - sum of those u_k.
+    Its throughput is what the others leave: 1000 n_m (1 - sum_{k != m} u_k) / L_m(n_m).
+    A lane still over LOAD_AWARE_MAX at the caps: `_overloaded`."""
+    idx = [0] * len(ms)
+    lat = [m.latency(m.batches[0], width) for m in ms]
+    bs = [m.batches[0] for m in ms]
+    use = [r * lt / b / 1000.0 for r, lt, b in zip(rates, lat, bs, strict=True)]
+    while sum(use) > LOAD_AWARE_MAX:
+        best_k, best_cut = -1, 0.0
+        for k, m in enumerate(ms):
+            j = idx[k] + 1
+            if j >= len(m.batches) or m.batches[j] > caps[k]:
+                continue
+            nb = m.batches[j]
+            cut = use[k] - rates[k] * m.latency(nb, width) / nb / 1000.0
+            if cut > best_cut:
+                best_k, best_cut = k, cut
+        if best_k < 0:
+            return _overloaded(ms, lat, bs, use)
+        k = best_k
+        idx[k] += 1
+        bs[k] = ms[k].batches[idx[k]]
+        lat[k] = ms[k].latency(bs[k], width)
+        use[k] = rates[k] * lat[k] / bs[k] / 1000.0
+    return _shares(ms, lat, bs, use)
+
+
+def _overloaded(ms: Sequence[LaneModel], lat: list[float], bs: list[int],
+                use: list[float]) -> list[tuple[float, float]]:
+    """A lane whose demand exceeds it even at the caps: earliest deadline first serves the
+    light models' whole demand and the heavy ones share the rest (max-min fair shares of
+    the lane's time, water-filled)."""
+    share = [0.0] * len(ms)
+    left, todo = 1.0, sorted(range(len(ms)), key=lambda k: use[k])
+    while todo:
+        even = left / len(todo)
+        k = todo.pop(0)
+        share[k] = min(use[k], even)
+        left -= share[k]
+    return _shares(ms, lat, bs, share)
+
+
+def _shares(ms: Sequence[LaneModel], lat: list[float], bs: list[int],
+            use: list[float]) -> list[tuple[float, float]]:
+    total = sum(use)
+    out = []
+    for k, m in enumerate(ms):
+        late = sum(use[j] for j in range(len(ms)) if lat[j] + lat[k] > m.slo_ms + EPS)
+        if lat[k] > m.slo_ms:
+            late = 1.0
+        thr = 1000.0 * bs[k] * (1.0 - (total - use[k])) / lat[k]
+        out.append((min(1.0, max(0.0, 1.0 - late)), thr))
+    return out
+
+
 def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
                caps: Sequence[int]) -> LaneEval:
-    """G_l and H_l of the lane `members` on `width`% with batch caps `caps`."""
+    """G_l and H_l of the lane `members` on `width`% with batch caps `caps`: the
+    saturated round bound, or where the lane is not saturated and it says more, its
+    load-aware estimate (`_load_aware`)."""
     ms = [inst.models[i] for i in members]
     lat = [m.latency(b, width) for m, b in zip(ms, caps, strict=True)]
     rnd = sum(lat)
@@ -180,10 +249,19 @@ def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
     for m, b, lm in zip(ms, caps, lat, strict=True):
         f = min(1.0, max(0.0, (m.slo_ms - lm) / rnd)) if rnd > 0 else 0.0
         t = 1000.0 * b / rnd if rnd > 0 else 0.0
-        s = f * min(m.rate_rps, t)
         frac.append(f)
-        served.append(s)
         thr.append(t)
+        served.append(f * min(m.rate_rps, t))
+    if len(ms) > 1 or frac[0] < 1.0:
+        loads = _load_aware(ms, caps, width, [m.rate_rps for m in ms])
+        if loads:
+            alt = [f * min(m.rate_rps, t) for m, (f, t) in zip(ms, loads, strict=True)]
+            if sum(m.weight * x for m, x in zip(ms, alt, strict=True)) > sum(
+                    m.weight * x for m, x in zip(ms, served, strict=True)):
+                served = alt
+                frac = [f for f, _ in loads]
+                thr = [t for _, t in loads]
+    for m, f, t, s in zip(ms, frac, thr, served, strict=True):
         value += m.weight * s
         grown += m.weight * f * min(m.grown, t)
         robust += m.weight * min(f * t, 2.0 * m.grown)
