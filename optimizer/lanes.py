@@ -169,6 +169,10 @@ def candidate_batches(profile: Profile, max_batch: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- one lane
 
 
+#: H's last term per percent of lane width: a plan that leaves part of the device idle
+#: loses the tie to one that gives it to some lane.
+WIDTH_TIE = 1e-3
+
 #: A lane whose load at its planned rates is below this is scored by its load (below).
 LOAD_AWARE_MAX = 0.9
 
@@ -265,6 +269,7 @@ def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
         value += m.weight * s
         grown += m.weight * f * min(m.grown, t)
         robust += m.weight * min(f * t, 2.0 * m.grown)
+    robust += WIDTH_TIE * width  # all else equal, leave no part of the device unused
     return LaneEval(tuple(members), width, tuple(caps), tuple(lat), rnd, tuple(frac),
                     tuple(served), tuple(thr), value, robust, grown)
 
