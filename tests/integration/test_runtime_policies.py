@@ -131,20 +131,12 @@ async def _check_plan_views(rt: Runtime) -> None:
 
 
 def _check_batches_in_slots(rt: Runtime, strict: bool) -> None:
+    """The lane plan's schedule validates, no batch is a reuse batch (lanes are
+    work-conserving on their own slices), and each worker runs on its lane's cores."""
     sched = rt.schedule()
     assert sched is not None
     assert validate_schedule(sched, MODELS) == []
-    origin = rt.policy.origin  # type: ignore[union-attr]
-    cycle = sched.cycle_ms / 1000
-    in_slot = [b for b in rt.batch_log if not b.reuse]
-    if strict:  # without idle reuse every batch runs in its own slot
-        assert len(in_slot) == len(rt.batch_log) > 0
-    for b in in_slot:
-        slot = next(s for s in sched.slots if s.model == b.model)
-        phase = (b.start_s - origin) % cycle
-        # the worker starts a moment after the dispatcher launches at the slot's start
-        assert slot.start_ms / 1000 - 0.001 <= phase <= slot.end_ms / 1000, (b, slot)
-    # each worker really runs on its slot's cores
+    assert rt.batch_log and not any(b.reuse for b in rt.batch_log)
     for m in MODELS:
         slot = next(s for s in sched.slots if s.model == m)
         pid = rt.supervisor.worker(m).pid  # type: ignore[union-attr]
@@ -243,9 +235,8 @@ def test_a_dead_worker_fails_its_requests_at_once_and_is_restarted(tmp_path: Pat
 
 def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path: Path) -> None:
     """Model a is planned for 5 rps and then gets ~110: the rate tracker notices, the plan
-    is re-solved (by its profile a can do at most 55 rps on 50%, so past ~46 rps measured
-    it needs the whole device), a shadow worker starts in the new slice and takes over;
-    every request is answered."""
+    is re-solved (a's batch grows in the lane it shares with b on the whole device) and
+    handed over; every request is answered."""
     write_cpu_profiles(tmp_path, ms_per_item=10.0)
     cfg = config("dstack", tmp_path, slo_ms=3000, max_queue_delay_ms=5)
     cfg["models"][0]["rate_rps"] = 5
@@ -260,7 +251,7 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
         await rt.start()
         try:
             slice_before = rt.current_slice("tiny_a")
-            pid_before = rt.supervisor.worker("tiny_a").pid  # type: ignore[union-attr]
+            batch_before = rt.plan().for_model("tiny_a").batch  # type: ignore[union-attr]
             tasks = []
             t_end = time.monotonic() + 30
             while time.monotonic() < t_end and (rt.replans == 0 or len(tasks) < 600):
@@ -272,9 +263,11 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
             failed = [r for r in results if isinstance(r, BaseException)]
             assert rt.replans >= 1, "the rate rose 20x and nothing was re-planned"
             assert not failed, failed[:3]
-            assert rt.current_slice("tiny_a") != slice_before
-            assert rt.supervisor.worker("tiny_a").pid != pid_before  # type: ignore[union-attr]
+            # The lane plan at 5 rps each already shares the whole device in one lane
+            # (batch 1 each); the re-plan keeps the lane and grows tiny_a's batch.
+            assert rt.current_slice("tiny_a") == slice_before
             assert rt.plan().for_model("tiny_a").percent == 100.0  # type: ignore[union-attr]
+            assert rt.plan().for_model("tiny_a").batch > batch_before  # type: ignore[union-attr]
         finally:
             await rt.stop()
 
