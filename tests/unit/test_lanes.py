@@ -159,7 +159,7 @@ def test_policy_runs_earliest_deadline_first_within_a_lane_and_lanes_concurrentl
     assert len(d.launches) == len(policy.lanes)
 
 
-def test_policy_takes_a_full_batch_and_a_lone_model_grows_to_half_its_slo():
+def test_policy_takes_a_full_batch_and_a_lone_model_grows_with_its_slo():
     policy, _ = _lane_policy()
     views = {n: _view(n, 0, None) for n in policy.models}
     for lane in policy.lanes:
@@ -170,6 +170,6 @@ def test_policy_takes_a_full_batch_and_a_lone_model_grows_to_half_its_slo():
         assert la.max_items == policy.batch_cap(m) >= lane.caps[0]
         views[m] = _view(m, 0, None)
     alone = [lane.models[0] for lane in policy.lanes if len(lane.models) == 1]
-    for m in alone:  # SLO 200 ms: half is 100 ms, 10 ms + 10 ms per item fits 8 (the max)
+    for m in alone:  # SLO 200 ms: 10 ms + 10 ms per item fits 8 (the max) in 100 ms
         policy.use_estimates({m: LinearLatency.from_points(1, 0.020, 8, 0.090)})
         assert policy.batch_cap(m) == 8
