@@ -18,7 +18,9 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -45,7 +47,7 @@ from dstack.runtime.dispatch import (
     Step,
     Ticket,
 )
-from dstack.runtime.messages import BatchDone
+from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.replanner import Replanner
 from dstack.runtime.supervisor import Supervisor
 from dstack.runtime.worker import WorkerHandle
@@ -54,6 +56,11 @@ log = logging.getLogger("dstack.runtime")
 
 #: Longest a dispatcher wait may last: a missed wake-up can delay a batch by at most this.
 MAX_IDLE_S = 0.5
+#: A wake-up that is not in the future is taken this much later, as the simulator takes
+#: it (`dstack.simulate.engine`): a queued request whose deadline is due exactly now is
+#: refused just after now, and on a virtual clock a step at the same instant again would
+#: never let time move on. (On the real clock, time has moved on by then: no wait.)
+WAKE_NUDGE_S = 1e-9
 
 
 @dataclass(eq=False, slots=True)
@@ -119,20 +126,45 @@ def default_slices(cfg: DeployConfig) -> SliceBackend:
     return CpuSlices(cfg.cores)
 
 
+class WorkerPool(Protocol):
+    """What the runtime uses of its `Supervisor` (the seam a test's fake workers plug
+    into; see `Supervisor` for the contract of each method)."""
+
+    async def start_all(self, slices: Mapping[str, SliceSpec]) -> dict[str, Ready]: ...
+    def blocked(self) -> frozenset[str]: ...
+    def worker(self, model: str) -> WorkerHandle | None: ...
+    def is_ready(self, model: str) -> bool: ...
+    def accepting(self, model: str) -> bool: ...
+    def current_slice(self, model: str) -> SliceSpec | None: ...
+    async def stop_all(self) -> None: ...
+    async def start_shadows(self, slices: Mapping[str, SliceSpec]
+                            ) -> dict[str, WorkerHandle]: ...
+    async def switch(self, shadows: Mapping[str, WorkerHandle],
+                     running: Callable[[str], bool]) -> None: ...
+
+
 class Runtime:
-    """Dispatcher, supervisor and re-planner for one deployment. See module docstring."""
+    """Dispatcher, supervisor and re-planner for one deployment. See module docstring.
+
+    `clock` is read for every time the runtime hands the dispatch core, the policy and
+    the re-planner; its waits are relative (`asyncio.timeout`), so it must run at the
+    event loop's pace (the loop's own `time` in a virtual-time test). `supervisor`
+    replaces the real one (deterministic fake workers in tests); it is not wired to the
+    runtime's restart callbacks, so it should block no model."""
 
     def __init__(self, cfg: DeployConfig, *, slices: SliceBackend | None = None,
-                 keep_batch_log: int = 10_000) -> None:
+                 keep_batch_log: int = 10_000, clock: Callable[[], float] = time.monotonic,
+                 supervisor: WorkerPool | None = None) -> None:
         self.cfg = cfg
         self.slices = slices or default_slices(cfg)
         self.specs: dict[str, ModelSpec] = {m.name: served_spec(m) for m in cfg.models}
         self.batch_log: deque[BatchRecord] = deque(maxlen=keep_batch_log)
         self.setup: PolicySetup | None = None
         self.core: DispatchCore | None = None
-        self.supervisor = Supervisor({m.name: (m, self.specs[m.name]) for m in cfg.models},
-                                     self.slices, on_change=self._poke,
-                                     on_failed=self._model_failed)
+        self._clock = clock
+        self.supervisor: WorkerPool = supervisor if supervisor is not None else Supervisor(
+            {m.name: (m, self.specs[m.name]) for m in cfg.models}, self.slices,
+            on_change=self._poke, on_failed=self._model_failed)
         self.replanner: Replanner | None = None
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -154,7 +186,7 @@ class Runtime:
 
     async def _start(self) -> None:
         self.setup = await asyncio.to_thread(setup_policy, self.cfg, self.slices,
-                                             origin=time.monotonic())
+                                             origin=self._clock())
         policy = self.setup.policy
         ready = await self.supervisor.start_all(policy.slices())
         estimates = dict(self.setup.estimates)
@@ -165,9 +197,9 @@ class Runtime:
         self.core = DispatchCore(
             [CoreModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue)
              for m in self.cfg.models],
-            policy, estimates, now=time.monotonic())  # the cycle starts as serving starts
+            policy, estimates, now=self._clock())  # the cycle starts as serving starts
         if policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
-            self.replanner = Replanner(self.cfg, self.slices, self._hand_over, time.monotonic)
+            self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
         self._ready = True
@@ -267,7 +299,7 @@ class Runtime:
         if not self.supervisor.accepting(model):
             raise Unavailable(f"model {model} is not ready")
         n = next(iter(inputs.values())).shape[0]
-        now = time.monotonic()
+        now = self._clock()
         if self.replanner is not None:
             self.replanner.record(model, now)  # demand: counted before admission
         fut: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
@@ -285,7 +317,7 @@ class Runtime:
         assert core is not None
         while not self._closing:
             self._wake.clear()
-            now = time.monotonic()
+            now = self._clock()
             wake: float | None
             try:
                 s = core.step(now, blocked=self.supervisor.blocked())
@@ -295,7 +327,9 @@ class Runtime:
                 log.exception("dispatch failed")
                 self._fail(core.drain(), BackendError(f"dispatch failed: {e!r}"))
                 wake = None
-            timeout = MAX_IDLE_S if wake is None else min(MAX_IDLE_S, wake - time.monotonic())
+            if wake is not None and wake <= now:
+                wake = now + WAKE_NUDGE_S
+            timeout = MAX_IDLE_S if wake is None else min(MAX_IDLE_S, wake - self._clock())
             if timeout > 0:
                 # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
                 # that races with the event, and then stop() would wait forever.
@@ -331,7 +365,7 @@ class Runtime:
                 f"{b.model}: could not start a batch of {b.n}: {e!r}")
             if not isinstance(e, DStackError):
                 log.exception("launch of a batch of %s failed", b.model)
-            self._fail(core.fail(b, time.monotonic()), err)
+            self._fail(core.fail(b, self._clock()), err)
             self._wake.set()
             return
         self._spawn(self._run_batch(b, worker, fut))
@@ -349,17 +383,17 @@ class Runtime:
             results = {k: v.copy() for k, v in outs.items()}  # leave the arena to the worker
             del outs
         except asyncio.CancelledError:
-            self._fail(core.fail(b, time.monotonic()), Unavailable("server is shutting down"))
+            self._fail(core.fail(b, self._clock()), Unavailable("server is shutting down"))
             raise
         except Exception as e:  # noqa: BLE001 - every ticket of the batch is answered
             err = e if isinstance(e, DStackError) else BackendError(f"{b.model}: {e!r}")
             if not isinstance(e, DStackError) or isinstance(e, BackendError):
                 log.error("batch of %d for %s failed: %s", b.n, b.model, err.message,
                           exc_info=not isinstance(e, DStackError))
-            self._fail(core.fail(b, time.monotonic()), err)
+            self._fail(core.fail(b, self._clock()), err)
             self._wake.set()
             return
-        end = time.monotonic()
+        end = self._clock()
         self.batch_log.append(BatchRecord(b.model, b.n, done.start_s, done.compute_s, b.reuse,
                                           worker.pid or 0))
         i = 0
@@ -389,7 +423,7 @@ class Runtime:
         new_slices = setup.policy.slices()
         shadows = await self.supervisor.start_shadows(new_slices)
         await self.supervisor.switch(shadows, core.running)
-        core.set_policy(setup.policy, time.monotonic(), setup.estimates)
+        core.set_policy(setup.policy, self._clock(), setup.estimates)
         self.setup = setup
         self._wake.set()
 
