@@ -395,6 +395,18 @@ class _Lanes:
         n = len(self.inst.models)
         masks = [1 << i for i in range(n)]
         key, lanes = self.widths_for(masks)
+        w0 = self.inst.widths[0]
+        while key[0] == -math.inf and len(masks) > 1:
+            # More lanes than the device holds at the narrowest width: merge the pair that
+            # loses least at that width until the lanes fit.
+            def loss(pair: tuple[int, int], ms: list[int] = masks) -> float:
+                a, b = ms[pair[0]], ms[pair[1]]
+                return (self.lane(a, w0).value + self.lane(b, w0).value
+                        - self.lane(a | b, w0).value)
+            a, b = min(((a, b) for a in range(len(masks)) for b in range(a + 1, len(masks))),
+                       key=loss)
+            masks = [m for k, m in enumerate(masks) if k not in (a, b)] + [masks[a] | masks[b]]
+            key, lanes = self.widths_for(masks)
         while len(masks) > 1:
             best = None
             for a in range(len(masks)):

@@ -73,6 +73,21 @@ def test_greedy_never_below_one_lane_per_model_or_temporal(inst):
     assert best.value >= max(ref.spatial.value, ref.temporal.value) - 1e-9
 
 
+@settings(max_examples=5, deadline=None)
+@given(st.lists(instances(max_models=1), min_size=9, max_size=12))
+def test_greedy_fits_more_models_than_lanes_the_device_holds(singles):
+    models = tuple(m for inst in singles for m in inst.models)
+    models = tuple(LaneModel(f"m{i}", m.slo_ms, m.rate_rps, m.weight, m.batches, m.latency)
+                   for i, m in enumerate(models))
+    inst = LaneInstance(models, (25.0, 50.0, 100.0))  # at most 4 lanes
+    n = len(models)
+    best, ref = solve_lanes(inst, temporal_caps=[1] * n)
+    assert best.source == "greedy" or best.value == ref.temporal.value
+    assert best.value >= ref.temporal.value - 1e-9
+    assert sum(e.width for e in best.lanes) <= 100 + 1e-6
+    assert sorted(i for e in best.lanes for i in e.members) == list(range(n))
+
+
 def _cfg(models, **top):
     return config(models, **top)  # plan_lanes reads the models, not the policy
 
