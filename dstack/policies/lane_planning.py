@@ -20,6 +20,7 @@ from dstack.common.types import (
     Slot,
     SolverStatus,
 )
+from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.lane_policy import Lane, LanePlan
 from optimizer.lanes import (
     LaneChoice,
@@ -57,7 +58,6 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
                margin: float = LATENCY_MARGIN) -> tuple[LanePlan, Schedule, Reference]:
     """The lane plan, its schedule (lanes side by side, each lane's batches one after
     another), and the baseline assignments it was compared with."""
-    from dstack.policies.planning import knee_percent, temporal_batch
 
     t0 = time.perf_counter()
     if backend is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from dstack.common.config import ConfigError, DeployConfig, PolicyName
 from dstack.common.slices import SliceBackend
 from dstack.common.types import ModelSLO, Plan, Profile, Schedule, SolverStatus, load_profiles
+from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.contract import ModelParams, Policy
 from dstack.policies.lane_planning import plan_lanes
 from dstack.policies.latency import LinearLatency
@@ -90,22 +91,6 @@ def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
         why = "; ".join(s.reason for s in plan.shortfalls)
         raise ConfigError(f"no plan can serve every model within its SLO: {why}")
     return plan
-
-
-def knee_percent(profile: Profile, max_batch: int) -> float:
-    """The knee at the largest profiled batch not above `max_batch` (100% if unknown)."""
-    batches = [b for b in profile.batch_sizes if b <= max_batch] or [min(profile.batch_sizes)]
-    return profile.knee.get(max(batches), 100.0)
-
-
-def temporal_batch(profile: Profile, slo_ms: float, n_models: int, cap: int) -> int:
-    """Best batch under the SLO on the whole device when models take turns: a request may
-    wait for one batch of every model (its own included) and then run, so a batch may take
-    at most SLO / (n_models + 1)."""
-    budget = slo_ms / (n_models + 1)
-    full = max(profile.percentages)
-    fits = [b for b in profile.batch_sizes if b <= cap and profile.latency_ms(b, full) <= budget]
-    return max(fits) if fits else 1
 
 
 def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
