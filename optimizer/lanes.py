@@ -50,6 +50,8 @@ from dstack.common.types import Profile
 
 EXACT_MAX = 6  # models: up to this many, every set partition (Bell(6) = 203)
 EPS = 1e-9
+#: The exact search leaves a model out only when that raises G by more than this share.
+DROP_GAIN = 1e-6
 
 Latency = Callable[[int, float], float]  # (batch, percent) -> ms
 
@@ -106,6 +108,11 @@ class LaneChoice:
     value: float
     robust: float
     source: str = ""  # "exact" | "greedy" | "spatial" | "temporal"
+
+    def dropped(self, n: int) -> tuple[int, ...]:
+        """The models (of n) in no lane: left out to serve cheaper work."""
+        placed = {i for e in self.lanes for i in e.members}
+        return tuple(i for i in range(n) if i not in placed)
 
     @property
     def grown(self) -> float:
@@ -314,8 +321,9 @@ _State = tuple[tuple[float, float, float], list[LaneEval]]
 class _Lanes:
     """Memoised best lanes and the width knapsack over an instance."""
 
-    def __init__(self, inst: LaneInstance) -> None:
+    def __init__(self, inst: LaneInstance, drop: bool = False) -> None:
         self.inst = inst
+        self.drop = drop  # exact search may leave models out (overload)
         ints = [round(w * 1000) for w in inst.widths]
         self.step = reduce(math.gcd, ints + [round(inst.capacity * 1000)])
         self.units = {w: round(w * 1000) // self.step for w in inst.widths}
@@ -384,6 +392,11 @@ class _Lanes:
                 if sub == 0:
                     break
                 sub = (sub - 1) & rest
+            if self.drop:
+                # Leave the lowest-numbered model out (served nothing, its width free).
+                key, lanes = go(rest, cap)
+                if key[0] > best[0][0] * (1 + DROP_GAIN) + EPS:
+                    best = (key, lanes)
             memo[(mask, cap)] = best
             return best
 
@@ -445,7 +458,8 @@ class Reference:
 def solve_lanes(inst: LaneInstance, *,
                 spatial_widths: Sequence[float] | None = None,
                 temporal_caps: Sequence[int] | None = None,
-                exact_max: int = EXACT_MAX) -> tuple[LaneChoice, Reference]:
+                exact_max: int = EXACT_MAX,
+                drop: bool = True) -> tuple[LaneChoice, Reference]:
     """The best lane plan found, and the scored baseline assignments it was compared with.
 
     `spatial_widths`: each model's own lane width under `spatial` (None: not expressible
@@ -454,7 +468,7 @@ def solve_lanes(inst: LaneInstance, *,
     n = len(inst.models)
     if n == 0:
         return LaneChoice((), 0.0, 0.0, "empty"), Reference()
-    lanes = _Lanes(inst)
+    lanes = _Lanes(inst, drop)
     search = lanes.exact() if n <= exact_max else lanes.greedy()
     spatial = temporal = None
     if spatial_widths is not None and sum(spatial_widths) <= inst.capacity + 1e-6:
@@ -481,12 +495,18 @@ def set_partitions(items: Sequence[int]) -> list[list[list[int]]]:
     return out
 
 
-def brute_force(inst: LaneInstance) -> float:
-    """The best G over every set partition and every width per lane (tests, small n)."""
+def brute_force(inst: LaneInstance, drop: bool = True) -> float:
+    """The best G over every set partition and every width per lane (tests, small n);
+    with `drop`, a partition's blocks may also be left out, served nothing."""
     import itertools
 
     best = -math.inf
-    for part in set_partitions(list(range(len(inst.models)))):
+    n = len(inst.models)
+    parts = [[b for b in part if b] for part in set_partitions(list(range(n)))]
+    if drop:
+        parts = [kept for kept_mask in range(1, 1 << n)
+                 for kept in set_partitions([i for i in range(n) if kept_mask >> i & 1])]
+    for part in parts:
         for ws in itertools.product(inst.widths, repeat=len(part)):
             if sum(ws) > inst.capacity + 1e-6:
                 continue

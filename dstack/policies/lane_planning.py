@@ -97,12 +97,20 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
         temporal_caps = [temporal_batch(profiles[m.name], m.slo_ms, len(served),
                                         m.max_batch_size) for m in served]
     choice, ref = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps)
-    plan, sched = _realise(inst, choice, backend, unserved, time.perf_counter() - t0)
+    infeasible = bool(unserved)
+    for i in choice.dropped(len(models)):
+        lm = models[i]
+        unserved.append((lm.name, f"{lm.name} left out: the device cannot serve every "
+                                  f"model's rate ({lm.rate_rps:.1f} rps planned), and the "
+                                  f"others serve more requests within SLO without it"))
+    plan, sched = _realise(inst, choice, backend, unserved, time.perf_counter() - t0,
+                           infeasible)
     return plan, sched, ref
 
 
 def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
-             unserved: list[tuple[str, str]], solve_s: float) -> tuple[LanePlan, Schedule]:
+             unserved: list[tuple[str, str]], solve_s: float,
+             infeasible: bool = False) -> tuple[LanePlan, Schedule]:
     cores = tuple(backend.whole().units)
     nxt = 0
     lanes: list[Lane] = []
@@ -136,7 +144,7 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
                     f"within its {lm.slo_ms:g} ms SLO (batch {ev.caps[k]} on "
                     f"{spec.percent:g}%, lane round {ev.round_ms:.2f} ms with "
                     f"{len(ev.members)} model(s))")))
-    if unserved:
+    if infeasible:
         status = SolverStatus.INFEASIBLE
     elif len(shortfalls) > 0:
         status = SolverStatus.PARTIAL

@@ -54,7 +54,25 @@ def test_plan_beats_spatial_and_temporal_assignments(inst, data):
     assert best.value >= ref.spatial.value - 1e-9
     assert best.value >= ref.temporal.value - 1e-9
     assert sum(e.width for e in best.lanes) <= inst.capacity + 1e-6
-    assert sorted(i for e in best.lanes for i in e.members) == list(range(n))
+    placed = sorted(i for e in best.lanes for i in e.members)
+    assert sorted(placed + list(best.dropped(n))) == list(range(n))  # each model once
+    if best.dropped(n):  # left out only when that serves more than placing it
+        kept, _ = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps,
+                              drop=False)
+        assert sorted(i for e in kept.lanes for i in e.members) == list(range(n))
+        assert best.value > kept.value
+
+
+def test_overload_leaves_the_expensive_model_out_to_serve_the_cheap_one():
+    # Both need the whole device: a cheap, tight-SLO model the slow one would block.
+    cheap = LaneModel("cheap", 3.0, 2000.0, 1.0, (1, 2, 4, 8), synthetic(0.5, 0.2, 100.0))
+    dear = LaneModel("dear", 200.0, 20.0, 1.0, (1, 2, 4, 8), synthetic(40.0, 5.0, 100.0))
+    inst = LaneInstance((cheap, dear), (50.0, 100.0))
+    best, _ = solve_lanes(inst)
+    assert best.dropped(2) == (1,)
+    assert [e.members for e in best.lanes] == [(0,)] and best.lanes[0].width == 100.0
+    kept, _ = solve_lanes(inst, drop=False)
+    assert best.value > kept.value and len(kept.dropped(2)) == 0
 
 
 @settings(max_examples=25, deadline=None)
@@ -130,7 +148,10 @@ def test_every_plan_packs_into_a_valid_schedule(specs, kind):
     backend = CpuSlices(tuple(range(units))) if kind == "cpu" else MpsSlices(units)
     cfg = _cfg(models)
     plan, sched, ref = plan_lanes(cfg, profiles, backend)
-    assert validate_schedule(sched, [m["name"] for m in models]) == []
+    left_out = dict(plan.unserved)
+    assert all("left out" in why for why in left_out.values())
+    assert validate_schedule(sched, [m["name"] for m in models
+                                     if m["name"] not in left_out]) == []
     lane_units = [u for lane in plan.lanes for u in lane.units]
     assert len(lane_units) == len(set(lane_units))
     assert sum(lane.percent for lane in plan.lanes) <= 100 + 1e-6
