@@ -28,6 +28,7 @@ from optimizer.lanes import (
     LaneModel,
     Reference,
     candidate_batches,
+    capped,
     planning_latency,
     solve_lanes,
 )
@@ -127,9 +128,11 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
             units = ()
         spec = backend.slice_for(ev.width, units)
         names = tuple(inst.models[i].name for i in ev.members)
+        short = {names[k] for k in capped([inst.models[i] for i in ev.members], ev.caps,
+                                          ev.width)}
         lanes.append(Lane(spec.percent, units, names, ev.caps, ev.round_ms,
                           tuple(inst.models[i].name for i in ev.members
-                                if inst.models[i].low)))
+                                if inst.models[i].low or inst.models[i].name in short)))
         offset = 0.0
         for k, i in enumerate(ev.members):
             lm = inst.models[i]

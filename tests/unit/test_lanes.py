@@ -15,7 +15,14 @@ from dstack.policies.lane_planning import plan_lanes
 from dstack.policies.lane_policy import LanePolicy
 from dstack.policies.latency import LinearLatency
 from dstack.policies.planning import model_params
-from optimizer.lanes import LaneInstance, LaneModel, brute_force, solve_lanes
+from optimizer.lanes import (
+    DROP_GAIN,
+    LaneInstance,
+    LaneModel,
+    brute_force,
+    capped,
+    solve_lanes,
+)
 from optimizer.packing import validate_schedule
 from tests.unit._simulate_fixtures import config, knee50, make_profile
 
@@ -78,8 +85,16 @@ def test_overload_leaves_the_expensive_model_out_to_serve_the_cheap_one():
 @settings(max_examples=25, deadline=None)
 @given(instances(max_models=4, widths=(25.0, 50.0, 100.0)))
 def test_exact_search_equals_brute_force(inst):
+    kept, _ = solve_lanes(inst, drop=False)
+    every = brute_force(inst, drop=False)
+    assert math.isclose(kept.value, every, rel_tol=1e-9, abs_tol=1e-9)
+    # Leaving models out: the best over every kept subset, taken when it gains > DROP_GAIN.
     best, _ = solve_lanes(inst)
-    assert math.isclose(best.value, brute_force(inst), rel_tol=1e-9, abs_tol=1e-9)
+    fewer = brute_force(inst)
+    if fewer > every * (1 + DROP_GAIN) + 1e-9:
+        assert math.isclose(best.value, fewer, rel_tol=1e-9, abs_tol=1e-9)
+    else:
+        assert math.isclose(best.value, every, rel_tol=1e-9, abs_tol=1e-9)
 
 
 @settings(max_examples=10, deadline=None)
@@ -209,3 +224,20 @@ def test_policy_takes_a_full_batch_and_a_lone_model_grows_with_its_slo():
     for m in alone:  # SLO 200 ms: 10 ms + 10 ms per item fits 8 (the max) in 100 ms
         policy.use_estimates({m: LinearLatency.from_points(1, 0.020, 8, 0.090)})
         assert policy.batch_cap(m) == 8
+
+
+def test_an_overloaded_lane_runs_its_costly_models_only_in_its_slack():
+    lat = synthetic(1.0, 0.5, 100.0)
+    cheap = LaneModel("cheap", 20.0, 900.0, 1.0, (1, 2, 4), lat)  # 0.75 ms a request at 4
+    dear = LaneModel("dear", 20.0, 900.0, 1.0, (1, 2, 4), synthetic(4.0, 2.0, 100.0))
+    # Together 0.675 + 2.7 of the lane at batch 4: cheap keeps its demand, dear is capped.
+    assert capped([cheap, dear], [4, 4], 100.0) == (1,)
+    assert capped([dear, cheap], [4, 4], 100.0) == (0,)
+    # Priority weights count: dear at `high` (4) costs less per weight than cheap at `low`.
+    heavy = LaneModel("dear", 20.0, 200.0, 4.0, (1, 2, 4), synthetic(4.0, 2.0, 100.0))
+    light = LaneModel("cheap", 20.0, 900.0, 0.25, (1, 2, 4), lat)
+    assert capped([light, heavy], [4, 4], 100.0) == (0,)
+    # Not overloaded, or a lone model: nobody is capped.
+    calm = LaneModel("dear", 20.0, 10.0, 1.0, (1, 2, 4), dear.latency)
+    assert capped([cheap, calm], [4, 4], 100.0) == ()
+    assert capped([dear], [4], 100.0) == ()
