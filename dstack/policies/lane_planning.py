@@ -77,10 +77,12 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
             continue
         served.append(m)
     models = []
+    guessed = False  # some rate unknown: its guess is no demand to leave a model out for
     for m in served:
         prof = profiles[m.name]
         rate = (rates or {}).get(m.name, m.rate_rps)
         if rate <= 0:  # unknown: a device's worth of its smallest batch
+            guessed = True
             rate = 1000.0 * min(prof.batch_sizes) / prof.latency_ms(min(prof.batch_sizes),
                                                                    max(prof.percentages))
         models.append(LaneModel(m.name, m.slo_ms, rate, m.priority.weight,
@@ -97,7 +99,8 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
             spatial_w = [spatial[m.name].percent for m in served]
         temporal_caps = [temporal_batch(profiles[m.name], m.slo_ms, len(served),
                                         m.max_batch_size) for m in served]
-    choice, ref = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps)
+    choice, ref = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps,
+                              drop=not guessed)
     infeasible = bool(unserved)
     for i in choice.dropped(len(models)):
         lm = models[i]

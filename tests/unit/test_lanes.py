@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dstack.common.slices import CpuSlices, MpsSlices
-from dstack.common.types import Priority
+from dstack.common.types import Priority, SolverStatus
 from dstack.policies.contract import QueueView
 from dstack.policies.lane_planning import plan_lanes
 from dstack.policies.lane_policy import LanePolicy
@@ -241,3 +241,26 @@ def test_an_overloaded_lane_runs_its_costly_models_only_in_its_slack():
     calm = LaneModel("dear", 20.0, 10.0, 1.0, (1, 2, 4), dear.latency)
     assert capped([cheap, calm], [4, 4], 100.0) == ()
     assert capped([dear], [4], 100.0) == ()
+
+
+def test_plan_leaves_out_a_costly_model_only_for_demand_it_knows():
+    def quick(b, p):  # 0.5 ms + 0.2 ms per item on the whole device, work-conserving below
+        return (0.5 + 0.2 * b) * max(1.0, 100.0 / p)
+
+    def slow(b, p):
+        return (40.0 + 5.0 * b) * max(1.0, 100.0 / p)
+
+    profiles = {"quick": make_profile("quick", quick, batches=(1, 2, 4, 8)),
+                "slow": make_profile("slow", slow, batches=(1, 2, 4, 8))}
+    models = [{"name": "quick", "slo_ms": 3, "rate_rps": 2000, "max_batch_size": 8},
+              {"name": "slow", "slo_ms": 200, "rate_rps": 20, "max_batch_size": 8}]
+    plan, sched, _ = plan_lanes(_cfg(models), profiles, MpsSlices(100))
+    assert dict(plan.unserved).keys() == {"slow"}
+    assert "left out" in dict(plan.unserved)["slow"]
+    assert plan.status is SolverStatus.PARTIAL
+    assert [lane.models for lane in plan.lanes] == [("quick",)]
+    assert validate_schedule(sched, ["quick"]) == []
+    # Rates unknown (0): a guessed demand never leaves a model out.
+    unknown = [{**m, "rate_rps": 0} for m in models]
+    plan, _, _ = plan_lanes(_cfg(unknown), profiles, MpsSlices(100))
+    assert plan.unserved == () and {m.model for m in plan.models} == {"quick", "slow"}
