@@ -36,6 +36,10 @@ too, so the plan's predicted goodput is never below either.
 
 A model whose batch-1 latency on the whole device exceeds its SLO cannot be served by
 any plan: it is left out (the policy refuses its requests) and named with its numbers.
+Under overload the exact search may also leave models out, as the ideal bound drops the
+most expensive work, when that raises G by more than `DROP_GAIN`; and an overloaded
+shared lane runs the models it serves below their demand (`capped`, in increasing cost
+per request over weight) only when the lane has nothing else.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 `plan_lanes` never refuses: a model whose batch-1 latency on the whole device exceeds its
 SLO is left out with the numbers (the policy refuses its requests as `unplanned`); every
-other model is placed in some lane, and one served below its planned rate is named.
+other model is placed in some lane, unless under overload leaving it out lets the others
+serve more than 1% more (`optimizer.lanes.DROP_GAIN`; never when a rate is unknown); one
+served below its planned rate is named.
 """
 
 from __future__ import annotations
