@@ -33,20 +33,31 @@ is refusing requests is re-measured: when the model has refused by estimate and 
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
 estimate says, and the estimate refuses nothing until that probe's batch has run. So a
 stale or contended estimate cannot shut a model out for longer than about `probe_s`.
+
+Written in Cython's pure-Python mode (setup.py compiles it; uncompiled it runs as it reads,
+with the same results, tests/unit/test_compiled.py): the simulator drives it millions of
+times an hour, so per-model state is a typed class, the objects made per request and per
+step are extension types, and a queue's head is kept in typed fields.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
+
+import cython
 
 from dstack.policies.contract import Policy, QueueView
 from dstack.policies.latency import LinearLatency
 
 #: Seconds after which a model that refuses by estimate gets a probe request through.
 PROBE_S = 1.0
+
+_INF = cython.declare(cython.double, math.inf)
+#: A queue's taken slots are dropped once this many have piled up at its front (_Model).
+_COMPACT_AT = cython.declare(cython.Py_ssize_t, 256)
 
 
 class RefusalReason(StrEnum):
@@ -66,118 +77,224 @@ class CoreModel:
     max_queue: int
 
 
-@dataclass(eq=False, slots=True)
+# The objects made per request and per step (Ticket, Refusal, Batch, Step, Counters) are
+# Cython extension types when compiled: a C struct to make and read, where a Python
+# dataclass runs an interpreted __init__ (frozen ones one object.__setattr__ per field).
+# Dataclasses either way, with the same fields, equality and repr.
+
+
+@cython.dataclasses.dataclass(eq=False)
+@cython.cclass
 class Ticket:
     """One admitted request: `n` items of model `model` (its index in the core)."""
 
-    model: int
-    n: int
-    arrival: float
-    deadline: float
+    model: cython.int
+    n: cython.longlong
+    arrival: cython.double
+    deadline: cython.double
     payload: object = None
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class Refusal:
     ticket: Ticket
-    reason: RefusalReason
+    reason: object  # RefusalReason
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class Batch:
     """A launched batch: its tickets in queue order, `n` items in all."""
 
     model: str
-    index: int
-    tickets: tuple[Ticket, ...]
-    n: int
-    started: float
-    reuse: bool
+    index: cython.int
+    tickets: tuple  # of Ticket
+    n: cython.longlong
+    started: cython.double
+    reuse: cython.bint
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class Failure:
     """Tickets taken off the queues because the dispatch path itself failed."""
 
-    tickets: tuple[Ticket, ...]
+    tickets: tuple  # of Ticket
     message: str
-    error: BaseException | None = None
+    error: object = None  # the BaseException, if any
 
 
-@dataclass(frozen=True, slots=True)
+@cython.dataclasses.dataclass(frozen=True)
+@cython.cclass
 class Step:
-    launches: tuple[Batch, ...] = ()
-    refusals: tuple[Refusal, ...] = ()
-    failures: tuple[Failure, ...] = ()
-    wake_at: float | None = None
+    launches: tuple = ()  # of Batch
+    refusals: tuple = ()  # of Refusal
+    failures: tuple = ()  # of Failure
+    wake_at: object = None  # float | None
 
 
-@dataclass(slots=True)
+def _no_refusals() -> dict:
+    return {r.value: 0 for r in RefusalReason}
+
+
+@cython.dataclasses.dataclass
+@cython.cclass
 class Counters:
     """Per model, since start-up."""
 
-    arrived: int = 0
-    admitted: int = 0
-    refused: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in RefusalReason})
-    served: int = 0
-    within_slo: int = 0
-    failed: int = 0
-    batches: int = 0
-    items: int = 0
-    queue_s: float = 0.0
-    compute_s: float = 0.0
+    arrived: cython.longlong = 0
+    admitted: cython.longlong = 0
+    refused: dict = cython.dataclasses.field(default_factory=_no_refusals)  # per rule
+    served: cython.longlong = 0
+    within_slo: cython.longlong = 0
+    failed: cython.longlong = 0
+    batches: cython.longlong = 0
+    items: cython.longlong = 0
+    queue_s: cython.double = 0.0
+    compute_s: cython.double = 0.0
 
     @property
     def refused_total(self) -> int:
         return sum(self.refused.values())
 
 
+@cython.cclass
 class _Model:
-    """One model's queue and state (internal)."""
+    """One model's queue and state (internal).
 
-    __slots__ = ("spec", "queue", "items", "running", "run_until", "last_done",
-                 "est_refused_at", "probing", "counters", "estimate", "dirty", "one_s")
+    The queue is a list read from `head` on (taken slots are set to None and dropped in
+    bulk): appending to and reading a list compiles to C, where a deque's methods are
+    Python calls. Its oldest ticket's arrival and deadline are copied into typed fields,
+    which every step reads for every model."""
+
+    spec: object  # CoreModel
+    name: str
+    slo_s: cython.double
+    max_batch: cython.longlong
+    max_queue: cython.longlong  # 64-bit, as every count here: any configured bound fits
+    queue: list  # tickets, FIFO from `head`
+    head: cython.Py_ssize_t
+    qlen: cython.Py_ssize_t  # tickets queued
+    items: cython.longlong  # items queued
+    head_arrival: cython.double  # of the oldest queued ticket (while qlen > 0)
+    head_deadline: cython.double
+    running = cython.declare(cython.bint, visibility="public")
+    run_until: cython.double  # when the running batch should end (by the estimate)
+    last_done: cython.double  # when its last batch ended (or serving began)
+    est_refused: cython.bint  # it has refused by estimate since its last finished batch
+    probing: cython.bint  # a probe is queued or running: the estimate refuses nothing
+    counters: Counters
+    estimate: object  # LinearLatency | None
+    # The estimate's `trusted` and one item's trusted estimate (0 while not trusted),
+    # refreshed by `learned` whenever the core changes the estimate (it is the only one
+    # that does): admission, the steps and launches read them for every request.
+    trusted: cython.bint
+    one_s: cython.double
+    unserved: object  # why the policy does not serve it (str), or None
+    dirty: cython.bint  # its queue view must be made again
 
     def __init__(self, spec: CoreModel, estimate: LinearLatency | None) -> None:
         self.spec = spec
-        self.queue: deque[Ticket] = deque()
+        self.name = spec.name
+        self.slo_s = spec.slo_s
+        self.max_batch = spec.max_batch
+        self.max_queue = spec.max_queue
+        self.queue = []
+        self.head = 0
+        self.qlen = 0
         self.items = 0
+        self.head_arrival = 0.0
+        self.head_deadline = 0.0
         self.running = False
-        self.run_until = 0.0  # when the running batch should end (by the estimate)
-        self.last_done = 0.0  # when its last batch ended (or serving began)
-        self.est_refused_at: float | None = None  # last refusal by estimate
-        self.probing = False  # a probe is queued or running: the estimate refuses nothing
+        self.run_until = 0.0
+        self.last_done = 0.0
+        self.est_refused = False
+        self.probing = False
         self.counters = Counters()
         self.estimate = estimate
-        self.dirty = True  # its queue view must be made again
-        self.one_s = 0.0  # one item's trusted estimate (0 while not trusted)
+        self.unserved = None
+        self.dirty = True
         self.learned()
 
-    def learned(self) -> None:
+    @cython.ccall
+    def learned(self) -> cython.void:
         """The estimate changed (or was set)."""
         est = self.estimate
-        self.one_s = est.estimate_s(1) if est is not None and est.trusted else 0.0
+        self.trusted = est is not None and est.trusted
+        self.one_s = est.refusal_s(1) if self.trusted else 0.0
+
+    @cython.cfunc
+    def push(self, t: Ticket) -> cython.void:
+        if self.qlen == 0:
+            self.head_arrival = t.arrival
+            self.head_deadline = t.deadline
+        self.queue.append(t)
+        self.qlen += 1
+        self.items += t.n
+        self.dirty = True
+
+    @cython.cfunc
+    def first(self) -> Ticket:
+        """The oldest queued ticket (qlen > 0)."""
+        return self.queue[self.head]
+
+    @cython.cfunc
+    def pop(self) -> Ticket:
+        """Take the oldest queued ticket (qlen > 0)."""
+        q: list = self.queue
+        t: Ticket = q[self.head]
+        q[self.head] = None  # the caller owns the ticket (and its payload) now
+        self.head += 1
+        self.qlen -= 1
+        self.items -= t.n
+        self.dirty = True
+        if self.qlen == 0:
+            del q[:]
+            self.head = 0
+        else:
+            if self.head >= _COMPACT_AT and self.head * 2 >= len(q):
+                del q[:self.head]
+                self.head = 0
+            h: Ticket = q[self.head]
+            self.head_arrival = h.arrival
+            self.head_deadline = h.deadline
+        return t
 
 
-class DispatchCore:
-    """See the module docstring. `estimates` (model name -> LinearLatency) are owned here
-    and handed to the policy (`Policy.use_estimates`); a model without one is never
-    refused by estimate."""
+@cython.cclass
+class _Core:
+    """The dispatch core's state and rules (`DispatchCore`, below, is this class: a Python
+    subclass only so that its methods can be wrapped, as tests that record every decision
+    of the core do). See the module docstring."""
+
+    names = cython.declare(list, visibility="public")  # model names, in the core's order
+    index = cython.declare(dict, visibility="public")  # model name -> its position
+    estimates = cython.declare(dict, visibility="public")  # model name -> LinearLatency
+    _m = cython.declare(list, visibility="public")  # of _Model, in the core's order
+    probe_s = cython.declare(cython.double, visibility="public")
+    queued = cython.declare(cython.longlong, visibility="public")  # items over all models
+    policy = cython.declare(object, visibility="public")
+    _views: dict
+    _unserved: dict
+    n_models: cython.Py_ssize_t
 
     def __init__(self, models: Sequence[CoreModel], policy: Policy,
                  estimates: dict[str, LinearLatency] | None = None, *, now: float = 0.0,
                  probe_s: float = PROBE_S) -> None:
         self.names = [m.name for m in models]
         self.index = {m.name: i for i, m in enumerate(models)}
-        self.estimates: dict[str, LinearLatency] = dict(estimates or {})
+        self.estimates = dict(estimates or {})
         self._m = [_Model(m, self.estimates.get(m.name)) for m in models]
-        self._views: dict[str, QueueView] = {}
+        self.n_models = len(self._m)
+        self._views = {}
         self.probe_s = probe_s
-        self.queued = 0  # items queued over all models
+        self.queued = 0
         self.policy = policy
-        self._unserved: dict[str, str] = {}
+        self._unserved = {}
         self.set_policy(policy, now)
+        st: _Model
         for st in self._m:
             st.last_done = now
 
@@ -194,11 +311,14 @@ class DispatchCore:
         policy.use_estimates(self.estimates)
         policy.reanchor(now)
         self._unserved = dict(policy.unserved())
+        st: _Model
+        for st in self._m:
+            st.unserved = self._unserved.get(st.name)
 
     def set_estimate(self, model: str, est: LinearLatency) -> None:
         """Replace a model's latency estimate (a new measurement, say)."""
         self.estimates[model] = est
-        st = self._m[self.index[model]]
+        st: _Model = self._m[self.index[model]]
         st.estimate = est
         st.learned()
 
@@ -206,58 +326,74 @@ class DispatchCore:
 
     def admit(self, model: str, n: int, now: float,
               payload: object = None) -> Ticket | Refusal:
-        i = self.index[model]
-        st = self._m[i]
-        spec = st.spec
+        i: cython.Py_ssize_t = self.index[model]
+        st: _Model = self._m[i]
+        k: cython.longlong = n
         st.counters.arrived += 1
-        t = Ticket(i, n, now, now + spec.slo_s, payload)
-        if st.items + n > spec.max_queue:
+        # Made without its __init__ (one per request; the fields are set right here).
+        t: Ticket = Ticket.__new__(Ticket)
+        t.model = i
+        t.n = k
+        t.arrival = now
+        t.deadline = now + st.slo_s
+        t.payload = payload
+        if st.items + k > st.max_queue:
             return self._refusal(st, t, RefusalReason.QUEUE_FULL,
                                  f"model {model}: queue is full ({st.items} items waiting, "
-                                 f"max_queue {spec.max_queue}); retry later")
-        why = self._unserved.get(model)
+                                 f"max_queue {st.spec.max_queue}); retry later")
+        why = st.unserved
         if why is not None:
             return self._refusal(st, t, RefusalReason.UNPLANNED,
                                  f"model {model} is not served by the current plan: {why}")
         est = self._refusing_estimate(st, now)
         if est is not None:
-            cap = max(1, min(self.policy.batch_cap(model), spec.max_batch))
-            ahead = st.items
-            full_batches, rest = divmod(ahead, cap)
-            own = min(cap, rest + n)
-            start = max(now, st.run_until) if st.running else now
-            finish = start + full_batches * est.estimate_s(cap) + est.estimate_s(own)
+            cap: cython.longlong = self.policy.batch_cap(model)
+            if cap > st.max_batch:
+                cap = st.max_batch
+            if cap < 1:
+                cap = 1
+            ahead: cython.longlong = st.items
+            full_batches: cython.longlong = ahead // cap
+            own: cython.longlong = ahead % cap + k
+            if own > cap:
+                own = cap
+            start: cython.double = now
+            if st.running and st.run_until > now:
+                start = st.run_until
+            per_batch: cython.double = est.refusal_s(cap)
+            own_s: cython.double = est.refusal_s(own)
+            finish: cython.double = start + full_batches * per_batch + own_s
             if finish > t.deadline:
-                st.est_refused_at = now
+                st.est_refused = True
                 return self._refusal(
                     st, t, RefusalReason.WORK_AHEAD,
                     f"model {model}: {ahead} items are queued ahead; at about "
-                    f"{est.estimate_s(cap) * 1000:.1f} ms per batch of {cap} this request would "
+                    f"{per_batch * 1000:.1f} ms per batch of {cap} this request would "
                     f"finish {1000 * (finish - now):.1f} ms after arrival, over its SLO of "
-                    f"{spec.slo_s * 1000:g} ms")
+                    f"{st.spec.slo_s * 1000:g} ms")
         elif self._probe_due(st, now):
             st.probing = True
-        st.queue.append(t)
-        st.items += n
-        st.dirty = True
-        self.queued += n
+        st.push(t)
+        self.queued += k
         st.counters.admitted += 1
         return t
 
-    def _refusing_estimate(self, st: _Model, now: float) -> LinearLatency | None:
+    @cython.cfunc
+    def _refusing_estimate(self, st: _Model, now: cython.double) -> object:
         """The estimate that may refuse requests of this model now, or None: not trusted
         yet, a probe under way, or a probe due (see the module docstring)."""
-        est = st.estimate
-        if est is None or not est.trusted or st.probing or self._probe_due(st, now):
+        if not st.trusted or st.probing or self._probe_due(st, now):
             return None
-        return est
+        return st.estimate
 
-    def _probe_due(self, st: _Model, now: float) -> bool:
-        return (st.est_refused_at is not None and not st.running and not st.probing
+    @cython.cfunc
+    @cython.inline
+    def _probe_due(self, st: _Model, now: cython.double) -> cython.bint:
+        return (st.est_refused and not st.running and not st.probing
                 and now - st.last_done >= self.probe_s)
 
-    @staticmethod
-    def _refusal(st: _Model, t: Ticket, reason: RefusalReason, message: str) -> Refusal:
+    @cython.cfunc
+    def _refusal(self, st: _Model, t: Ticket, reason: object, message: str) -> Refusal:
         st.counters.refused[reason.value] += 1
         return Refusal(t, reason, message)
 
@@ -266,23 +402,24 @@ class DispatchCore:
     def views(self) -> dict[str, QueueView]:
         """Every model's view, in the core's order (remade only for models that changed;
         the dict is the core's: read it, do not keep it)."""
-        out = self._views
-        for name, st in zip(self.names, self._m, strict=True):
+        out: dict = self._views
+        st: _Model
+        for st in self._m:
             if not st.dirty:
                 continue
             st.dirty = False
-            if st.queue:
-                head = st.queue[0]
-                out[name] = QueueView(name, st.items, head.arrival, head.deadline, st.running)
+            if st.qlen:
+                out[st.name] = QueueView(st.name, st.items, st.head_arrival, st.head_deadline,
+                                         st.running)
             else:
-                out[name] = QueueView(name, 0, None, None, st.running)
+                out[st.name] = QueueView(st.name, 0, None, None, st.running)
         return out
 
     def step(self, now: float, *, blocked: frozenset[str] = frozenset()) -> Step:
         """Refuse what expired, ask the policy, take the launched batches off the queues.
         `blocked`: models whose worker cannot take a batch now (restarting, switching to a
         shadow): the policy sees them as busy."""
-        refusals: list[Refusal] = []
+        refusals: list = []
         doom = self._refuse_expired(now, refusals)
         views = self.views()
         if blocked:
@@ -295,87 +432,98 @@ class DispatchCore:
         except Exception as e:  # noqa: BLE001 - a policy bug must not hang a client
             return Step((), tuple(refusals), (self._fail_all(f"scheduler error: {e!r}", e),),
                         None)
-        launches = []
+        launches: list = []
         for launch in decision.launches:
-            if launch.model in blocked:
+            if blocked and launch.model in blocked:
                 continue
             b = self._take(launch.model, launch.max_items, launch.reuse, now, refusals)
             if b is not None:
                 launches.append(b)
         wake = decision.wake_at
         if doom is not None:
-            wake = doom if wake is None else min(wake, doom)
+            # min(wake, doom), and the policy's own value where they are equal
+            wake = doom if wake is None or doom < wake else wake
         return Step(tuple(launches), tuple(refusals), (), wake)
 
-    def _refuse_expired(self, now: float, out: list[Refusal]) -> float | None:
+    @cython.cfunc
+    def _refuse_expired(self, now: cython.double, out: list) -> object:
         """Refuse queued tickets that cannot finish by their deadline even if run alone
-        now; return when the next head will expire."""
-        nxt: float | None = None
+        now; return when the next head will expire (None: nothing is queued)."""
+        nxt: cython.double = _INF
+        any_left: cython.bint = False
+        run_s: cython.double
+        st: _Model
         for st in self._m:
-            q = st.queue
-            if not q:
+            if st.qlen == 0:
                 continue
             run_s = st.one_s
-            if st.probing or (st.est_refused_at is not None and self._probe_due(st, now)):
+            if st.probing or (st.est_refused and self._probe_due(st, now)):
                 run_s = 0.0
-            while q and q[0].deadline - run_s < now:
-                t = q.popleft()
-                self._dequeued(st, t)
+            while st.qlen and st.head_deadline - run_s < now:
+                t: Ticket = st.pop()
+                self.queued -= t.n
                 if run_s > 0:
-                    st.est_refused_at = now
+                    st.est_refused = True
                 out.append(self._refusal(
                     st, t, RefusalReason.EXPIRED,
                     f"model {st.spec.name}: request waited {1000 * (now - t.arrival):.1f} ms "
                     f"and can no longer be answered within its SLO of "
                     f"{st.spec.slo_s * 1000:g} ms"))
-            if q:
-                t_doom = q[0].deadline - run_s
-                nxt = t_doom if nxt is None else min(nxt, t_doom)
-        return nxt
+            if st.qlen:
+                t_doom: cython.double = st.head_deadline - run_s
+                if not any_left or t_doom < nxt:
+                    nxt = t_doom
+                any_left = True
+        return nxt if any_left else None
 
-    def _take(self, model: str, max_items: int, reuse: bool, now: float,
-              refusals: list[Refusal]) -> Batch | None:
-        i = self.index[model]
-        st = self._m[i]
-        if st.running or not st.queue:
+    @cython.cfunc
+    def _take(self, model: str, max_items: cython.longlong, reuse: cython.bint,
+              now: cython.double, refusals: list) -> object:
+        i: cython.Py_ssize_t = self.index[model]
+        st: _Model = self._m[i]
+        if st.running or st.qlen == 0:
             return None
-        limit = max(1, min(max_items, st.spec.max_batch))
-        q = st.queue
-        tickets: list[Ticket] = []
-        taken = 0
+        limit: cython.longlong = max_items if max_items < st.max_batch else st.max_batch
+        if limit < 1:
+            limit = 1
+        tickets: list = []
+        taken: cython.longlong = 0
+        t: Ticket
         # The first request always goes (admission checked it fits max_batch), then whole
         # requests while they fit.
-        while q and (not tickets or taken + q[0].n <= limit):
-            t = q.popleft()
-            self._dequeued(st, t)
+        while st.qlen and (not tickets or taken + st.first().n <= limit):
+            t = st.pop()
+            self.queued -= t.n
             tickets.append(t)
             taken += t.n
         # Refuse, rather than serve late, the heads this batch would answer after their
         # deadline: FIFO order is deadline order (one SLO per model), so only heads.
         est = self._refusing_estimate(st, now)
         if est is not None:
-            k = 0
-            while k < len(tickets) and tickets[k].deadline < now + est.estimate_s(taken):
+            k: cython.Py_ssize_t = 0
+            run_s: cython.double
+            while k < len(tickets):
                 t = tickets[k]
+                run_s = est.refusal_s(taken)
+                if not t.deadline < now + run_s:
+                    break
                 taken -= t.n
-                st.est_refused_at = now
+                st.est_refused = True
                 refusals.append(self._refusal(
                     st, t, RefusalReason.EXPIRED,
                     f"model {model}: request waited {1000 * (now - t.arrival):.1f} ms; the next "
                     f"batch would answer it after its SLO of {st.spec.slo_s * 1000:g} ms"))
                 k += 1
-            tickets = tickets[k:]
+            if k:
+                tickets = tickets[k:]
         if not tickets:
             return None
         st.running = True
         st.dirty = True
-        st.run_until = now + (est or st.estimate or _ZERO).estimate_s(taken)
+        if est is None:
+            est = st.estimate
+        st.run_until = now + (est.refusal_s(taken) if est is not None else 0.0)
         return Batch(model, i, tuple(tickets), taken, now, reuse)
-
-    def _dequeued(self, st: _Model, t: Ticket) -> None:
-        st.items -= t.n
-        st.dirty = True
-        self.queued -= t.n
 
     # ------------------------------------------------------------------ results
 
@@ -383,15 +531,17 @@ class DispatchCore:
         """The batch ran in `compute_s`: count it, learn from it, tell the policy. Returns
         its tickets for the caller to answer (every one of them: a policy that raises in
         `on_batch_done` is the caller's to log, after answering)."""
-        st = self._m[batch.index]
+        st: _Model = self._m[batch.index]
         self._finished(st, now)
-        c = st.counters
+        c: Counters = st.counters
         c.batches += 1
         c.items += batch.n
         c.compute_s += compute_s
+        started: cython.double = batch.started
+        t: Ticket
         for t in batch.tickets:
             c.served += 1
-            c.queue_s += batch.started - t.arrival
+            c.queue_s += started - t.arrival
             if now <= t.deadline:
                 c.within_slo += 1
         if st.estimate is not None:
@@ -401,7 +551,7 @@ class DispatchCore:
                 st.estimate.observe(batch.n, compute_s)
             st.learned()
         st.probing = False
-        st.est_refused_at = None
+        st.est_refused = False
         return batch.tickets
 
     def notify_policy(self, batch: Batch, compute_s: float, now: float) -> None:
@@ -410,13 +560,14 @@ class DispatchCore:
 
     def fail(self, batch: Batch, now: float) -> tuple[Ticket, ...]:
         """The batch failed (worker error or death): its tickets, to be failed."""
-        st = self._m[batch.index]
+        st: _Model = self._m[batch.index]
         self._finished(st, now)
         st.counters.failed += len(batch.tickets)
         st.probing = False
         return batch.tickets
 
-    def _finished(self, st: _Model, now: float) -> None:
+    @cython.cfunc
+    def _finished(self, st: _Model, now: cython.double) -> cython.void:
         st.running = False
         st.dirty = True
         st.run_until = now
@@ -425,43 +576,43 @@ class DispatchCore:
     def drain(self, model: str | None = None) -> tuple[Ticket, ...]:
         """Take every queued ticket (of one model, or all) off the queues, to be failed:
         shutdown, a worker that cannot be restarted."""
-        out: list[Ticket] = []
-        for name, st in zip(self.names, self._m, strict=True):
-            if model is not None and name != model:
+        out: list = []
+        st: _Model
+        for st in self._m:
+            if model is not None and st.name != model:
                 continue
-            while st.queue:
-                t = st.queue.popleft()
-                self._dequeued(st, t)
+            while st.qlen:
+                t: Ticket = st.pop()
+                self.queued -= t.n
                 st.counters.failed += 1
                 out.append(t)
         return tuple(out)
 
+    @cython.cfunc
     def _fail_all(self, message: str, error: BaseException) -> Failure:
         return Failure(self.drain(), message, error)
 
     # ------------------------------------------------------------------ reading
 
     def counters(self, model: str) -> Counters:
-        return self._m[self.index[model]].counters
+        st: _Model = self._m[self.index[model]]
+        return st.counters
 
     def pending(self, model: str) -> int:
         """Requests queued or in a running batch (the running batch counts as one)."""
-        st = self._m[self.index[model]]
-        return len(st.queue) + (1 if st.running else 0)
+        st: _Model = self._m[self.index[model]]
+        return st.qlen + (1 if st.running else 0)
 
     def running(self, model: str) -> bool:
-        return self._m[self.index[model]].running
+        st: _Model = self._m[self.index[model]]
+        return st.running
 
     def queue_items(self, model: str) -> int:
-        return self._m[self.index[model]].items
+        st: _Model = self._m[self.index[model]]
+        return st.items
 
 
-class _Zero:
-    """An estimate of nothing (a model with no estimate at all)."""
-
-    @staticmethod
-    def estimate_s(n: int) -> float:
-        return 0.0
-
-
-_ZERO = _Zero()
+class DispatchCore(_Core):
+    """See the module docstring. `estimates` (model name -> LinearLatency) are owned here
+    and handed to the policy (`Policy.use_estimates`); a model without one is never
+    refused by estimate."""

@@ -21,6 +21,11 @@ what this module adds is time and the device:
   time feeds the model's latency estimate and the policy, as in the server.
 - **End.** Arrivals stop at `duration_s`; the loop then drains: queued requests are served
   or refused, so every request is accounted for exactly once.
+
+Written in Cython's pure-Python mode: setup.py compiles it (with the dispatch core and the
+policies); uncompiled it runs as it reads, with the same results
+(tests/unit/test_compiled.py). The loop and the device are typed classes over per-model
+arrays; the core is driven through its public methods, as the runtime drives it.
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ import cython
 
 from dstack.policies.contract import Policy
 from dstack.policies.latency import LinearLatency
-from dstack.runtime.dispatch import Batch, CoreModel, Counters, DispatchCore, Ticket
+from dstack.runtime.dispatch import CoreModel, Counters, DispatchCore, Ticket
 
-INF = math.inf
-_NUDGE_S = 1e-9
+INF = cython.declare(cython.double, math.inf)
+_NUDGE_S = cython.declare(cython.double, 1e-9)
 #: Whether this module runs compiled (setup.py compiles it, with the dispatch core and the
 #: policies; without a C compiler it runs as Python, with the same results).
 COMPILED: bool = cython.compiled
@@ -88,134 +93,210 @@ def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
     `models`) on a virtual clock; see the module docstring for the semantics.
     `estimates`: the latency estimates the core starts from (as the server's planning
     seeds them)."""
-    return _Loop(policy, models, duration_s, timeline_s, estimates).run(times, model_idx)
+    return _Loop(policy, models, duration_s, timeline_s, estimates).run(
+        array("d", times), array("i", model_idx))
 
 
+@cython.cclass
 class _Device:
     """Processor sharing over the running batches (see the module docstring)."""
 
-    def __init__(self, duration_s: float) -> None:
+    duration_s: cython.double
+    rem: cython.double[:]  # per model: solo work left in its running batch
+    pct: cython.double[:]  # per model: its running batch's slice
+    # The running models in the order their batches started: the next to finish is the
+    # first of the earliest, so equal finish times resolve in start order.
+    order: cython.int[:]
+    n_run: cython.int
+    load: cython.double  # S
+    rate: cython.double
+    last: cython.double
+    busy: cython.double
+    t_fin: cython.double
+    fin_j: cython.int
+
+    def __init__(self, n_models: int, duration_s: float) -> None:
         self.duration_s = duration_s
-        self.rem: dict[int, float] = {}  # model index -> solo work left in its batch
-        self.pct: dict[int, float] = {}
-        self.load = 0.0  # S
+        self.rem = array("d", [0.0] * n_models)
+        self.pct = array("d", [0.0] * n_models)
+        self.order = array("i", [0] * n_models)
+        self.n_run = 0
+        self.load = 0.0
         self.rate = 1.0
         self.last = 0.0
         self.busy = 0.0
         self.t_fin = INF
         self.fin_j = -1
 
-    def advance(self, now: float) -> None:
-        dt = now - self.last
-        if dt > 0 and self.rem:
-            used = dt * self.rate
-            for j in self.rem:
-                self.rem[j] -= used
-            hi = min(now, self.duration_s)
+    @cython.cfunc
+    def advance(self, now: cython.double) -> cython.void:
+        dt: cython.double = now - self.last
+        k: cython.int
+        if dt > 0 and self.n_run:
+            used: cython.double = dt * self.rate
+            for k in range(self.n_run):
+                self.rem[self.order[k]] -= used
+            hi: cython.double = self.duration_s if self.duration_s < now else now
             if hi > self.last:
-                self.busy += min(self.load, 100.0) / 100.0 * (hi - self.last)
+                load: cython.double = 100.0 if 100.0 < self.load else self.load
+                self.busy += load / 100.0 * (hi - self.last)
         self.last = now
 
-    def start(self, j: int, work_s: float, percent: float, now: float) -> None:
+    @cython.cfunc
+    def start(self, j: cython.int, work_s: cython.double, percent: cython.double,
+              now: cython.double) -> cython.void:
         self.advance(now)
         self.rem[j] = work_s
         self.pct[j] = percent
+        self.order[self.n_run] = j
+        self.n_run += 1
         self.load += percent
         self._reschedule()
 
-    def finish(self, now: float) -> int:
-        j = self.fin_j
+    @cython.cfunc
+    def finish(self, now: cython.double) -> cython.int:
+        j: cython.int = self.fin_j
+        k: cython.int
         self.advance(now)
-        del self.rem[j]
-        self.load -= self.pct.pop(j)
-        if not self.rem:
+        w: cython.int = 0
+        for k in range(self.n_run):  # drop j, keeping the others' order
+            if self.order[k] != j:
+                self.order[w] = self.order[k]
+                w += 1
+        self.n_run = w
+        self.load -= self.pct[j]
+        if not self.n_run:
             self.load = 0.0  # no drift from float sums
         self._reschedule()
         return j
 
-    def _reschedule(self) -> None:
+    @cython.cfunc
+    def _reschedule(self) -> cython.void:
+        k: cython.int
+        j: cython.int
+        t: cython.double
         self.rate = 1.0 if self.load <= 100.0 else 100.0 / self.load
         self.t_fin, self.fin_j = INF, -1
-        for j, rem in self.rem.items():
-            t = self.last + rem / self.rate
+        for k in range(self.n_run):
+            j = self.order[k]
+            t = self.last + self.rem[j] / self.rate
             if t < self.t_fin:
                 self.t_fin, self.fin_j = t, j
 
 
+@cython.cclass
 class _Loop:
+    core: object  # DispatchCore
+    device: _Device
+    names: list
+    tables: list  # per model: L(b) in seconds at its slice
+    pct: cython.double[:]  # per model: its slice
+    duration_s: cython.double
+    timeline_s: cython.double
+    timeline: list
+    batches: list  # per model: its running Batch, or None
+    n_running: cython.int
+    lat_out: object  # array("d"): every served request's latency, in completion order
+    lat_buf: cython.double[:]  # lat_out's buffer, sized for every arrival
+    n_lat: cython.Py_ssize_t
+    wake: cython.double
+    decisions: cython.longlong
+
     def __init__(self, policy: Policy, models: Sequence[SimModel], duration_s: float,
                  timeline_s: float, estimates: dict[str, LinearLatency] | None) -> None:
-        self.models = list(models)
         self.names = [m.name for m in models]
         self.tables = [m.latency_s for m in models]
+        self.pct = array("d", [m.percent for m in models])
         self.core = DispatchCore(
             [CoreModel(m.name, m.slo_s, m.max_batch, m.max_queue) for m in models],
             policy, estimates, now=0.0)
-        self.device = _Device(duration_s)
+        self.device = _Device(len(models), duration_s)
         self.duration_s = duration_s
         self.timeline_s = timeline_s
-        self.timeline: list[BatchSpan] = []
-        self.batches: dict[int, Batch] = {}  # model index -> its running batch
-        self.latencies = array("d")
+        self.timeline = []
+        self.batches = [None] * len(models)
+        self.n_running = 0
+        self.n_lat = 0
         self.wake = INF
         self.decisions = 0
 
-    def step(self, now: float) -> None:
+    @cython.cfunc
+    def step(self, now: cython.double) -> cython.void:
+        j: cython.int
         self.decisions += 1
         s = self.core.step(now)
         if s.failures:  # a policy that raised: a bug, never hidden in a simulation
             raise RuntimeError(s.failures[0].message) from s.failures[0].error
         for b in s.launches:
-            self.batches[b.index] = b
-            m = self.models[b.index]
-            self.device.start(b.index, self.tables[b.index][b.n], m.percent, now)
-        w = INF if s.wake_at is None else s.wake_at
+            j = b.index
+            self.batches[j] = b
+            self.n_running += 1
+            self.device.start(j, self.tables[j][b.n], self.pct[j], now)
+        wake_at = s.wake_at
+        w: cython.double = INF if wake_at is None else wake_at
         self.wake = w if w > now else now + _NUDGE_S
 
-    def complete(self, now: float) -> None:
-        j = self.device.finish(now)
-        b = self.batches.pop(j)
-        compute_s = now - b.started
+    @cython.cfunc
+    def complete(self, now: cython.double) -> cython.void:
+        if self.device.fin_j < 0:  # requests queued but nothing will ever move them
+            raise AssertionError("simulator stalled with requests queued")
+        j: cython.int = self.device.finish(now)
+        b = self.batches[j]
+        self.batches[j] = None
+        self.n_running -= 1
+        started: cython.double = b.started
+        compute_s: cython.double = now - started
         tickets = self.core.complete(b, compute_s, now)
         self.core.notify_policy(b, compute_s, now)
+        arrival: cython.double
         for t in tickets:
-            self.latencies.append(now - t.arrival)
-        if b.started < self.timeline_s:
-            self.timeline.append(BatchSpan(b.model, b.started, now,
-                                           self.models[j].percent, b.n, b.reuse))
+            arrival = t.arrival
+            self.lat_buf[self.n_lat] = now - arrival
+            self.n_lat += 1
+        if started < self.timeline_s:
+            self.timeline.append(BatchSpan(b.model, started, now, self.pct[j], b.n, b.reuse))
         self.step(now)
 
-    def run(self, times: Sequence[float], model_idx: Sequence[int]) -> RunResult:
-        core, device = self.core, self.device
-        names = self.names
-        n_arr = len(times)
-        i = 0
+    def run(self, times: cython.double[:], model_idx: cython.int[:]) -> RunResult:
+        core = self.core
+        device: _Device = self.device
+        names: list = self.names
+        admit = core.admit
+        n_arr: cython.Py_ssize_t = len(times)
+        i: cython.Py_ssize_t = 0
+        j: cython.int
+        ta: cython.double
+        now: cython.double
+        self.lat_out = array("d", bytes(8 * n_arr))  # cut to those served below
+        self.lat_buf = self.lat_out
         while True:
             ta = times[i] if i < n_arr else INF
-            if ta == INF and not self.batches and core.queued == 0:
+            if ta == INF and self.n_running == 0 and core.queued == 0:
                 break
             if device.t_fin <= ta and device.t_fin <= self.wake:
                 self.complete(device.t_fin)
             elif ta <= self.wake:
                 j = model_idx[i]
                 i += 1
-                got = core.admit(names[j], 1, ta)
-                if isinstance(got, Ticket) and j not in self.batches:
+                got = admit(names[j], 1, ta)
+                if isinstance(got, Ticket) and self.batches[j] is None:
                     self.step(ta)
             elif self.wake < INF:
-                now, self.wake = self.wake, INF
+                now = self.wake
+                self.wake = INF
                 self.step(now)
             else:  # requests queued but nothing will ever move them: cannot happen (doom)
                 raise AssertionError("simulator stalled with requests queued")
-        end_s = device.last
-        device.advance(max(device.last, self.duration_s))
+        end_s: cython.double = device.last
+        device.advance(device.duration_s if device.duration_s > device.last else device.last)
+        self.lat_buf = None  # release the buffer, so that the array can be cut
+        del self.lat_out[self.n_lat:]
         return RunResult(
             duration_s=self.duration_s,
             end_s=end_s,
             counts={name: core.counters(name) for name in names},
-            latencies_s=self.latencies,
+            latencies_s=self.lat_out,
             busy_integral=device.busy,
             decisions=self.decisions,
             timeline=self.timeline,
         )
-
