@@ -223,7 +223,7 @@ class _Model:
         """The estimate changed (or was set)."""
         est = self.estimate
         self.trusted = est is not None and est.trusted
-        self.one_s = est.refusal_s(1) if self.trusted else 0.0
+        self.one_s = est.estimate_s(1) if self.trusted else 0.0
 
     @cython.cfunc
     def push(self, t: Ticket) -> cython.void:
@@ -360,8 +360,8 @@ class _Core:
             start: cython.double = now
             if st.running and st.run_until > now:
                 start = st.run_until
-            per_batch: cython.double = est.refusal_s(cap)
-            own_s: cython.double = est.refusal_s(own)
+            per_batch: cython.double = est.estimate_s(cap)
+            own_s: cython.double = est.estimate_s(own)
             finish: cython.double = start + full_batches * per_batch + own_s
             if finish > t.deadline:
                 st.est_refused = True
@@ -504,7 +504,7 @@ class _Core:
             run_s: cython.double
             while k < len(tickets):
                 t = tickets[k]
-                run_s = est.refusal_s(taken)
+                run_s = est.estimate_s(taken)
                 if not t.deadline < now + run_s:
                     break
                 taken -= t.n
@@ -522,7 +522,7 @@ class _Core:
         st.dirty = True
         if est is None:
             est = st.estimate
-        st.run_until = now + (est.refusal_s(taken) if est is not None else 0.0)
+        st.run_until = now + (est.estimate_s(taken) if est is not None else 0.0)
         return Batch(model, i, tuple(tickets), taken, now, reuse)
 
     # ------------------------------------------------------------------ results
