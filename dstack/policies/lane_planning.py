@@ -101,8 +101,11 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
             spatial_w = [spatial[m.name].percent for m in served]
         temporal_caps = [temporal_batch(profiles[m.name], m.slo_ms, len(served),
                                         m.max_batch_size) for m in served]
+    # Measured rates (a re-plan) never leave a model out: they count every arrival, and a
+    # closed loop resends a refused request at once, so they overstate demand; on their
+    # word a re-plan once left resnet18 out of the CPU mix and refused all its traffic.
     choice, ref = solve_lanes(inst, spatial_widths=spatial_w, temporal_caps=temporal_caps,
-                              drop=not guessed)
+                              drop=not guessed and rates is None)
     infeasible = bool(unserved)
     for i in choice.dropped(len(models)):
         lm = models[i]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import cython
 
 TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
+LOW_RISE = 0.02  # how far the fast-end line rises toward a slower batch, per batch
 
 
 # An extension type when compiled (setup.py): the simulator and the dispatcher ask it on
@@ -21,13 +22,23 @@ class LinearLatency:
     guess: until `TRUST_AFTER` real batches have been observed the estimate is not
     `trusted`, and the runtime does not refuse requests on its word alone; otherwise a
     seed that came out too slow (say, warm-up on a busy machine) would refuse every
-    request, so no batch would ever run to correct it."""
+    request, so no batch would ever run to correct it.
+
+    Two lines are kept. `estimate_s` follows the mean (what a batch takes now: batch
+    windows and policies plan with it). `refusal_s` follows the fast end: it drops at
+    once to a faster batch and rises only slowly (`LOW_RISE` per batch), and is never above
+    the mean. Refusals use it, so a request is refused only when even the speed the model
+    reached recently cannot answer it in time. Without it, contention feeds on itself: a
+    slower batch (the machine shared with the very clients being refused, who retry at
+    once) raises the estimate, which refuses more, which brings more retries."""
 
     k_s: cython.double  # fixed cost per batch
     t_s: cython.double  # cost per item
     alpha: cython.double = 0.1  # weight of a new observation
     observations: cython.long = 0
     far_streak: cython.long = 0  # consecutive observations far off in the same direction
+    lo_k_s: cython.double = -1.0  # the fast-end line (refusal_s); -1: not split off yet
+    lo_t_s: cython.double = 0.0
 
     @property
     def trusted(self) -> bool:
@@ -44,6 +55,30 @@ class LinearLatency:
     @cython.ccall
     def estimate_s(self, n: cython.long) -> cython.double:
         return self.k_s + self.t_s * max(n, 1)
+
+    @cython.ccall
+    def refusal_s(self, n: cython.long) -> cython.double:
+        """What a batch of n takes at the fast end of recent batches (see the class
+        docstring); refusals use it."""
+        mean: cython.double = self.estimate_s(n)
+        if self.lo_k_s < 0:
+            return mean
+        lo: cython.double = self.lo_k_s + self.lo_t_s * max(n, 1)
+        return lo if lo < mean else mean
+
+    @cython.cfunc
+    def _observe_low(self, n: cython.long, seconds: cython.double) -> cython.void:
+        if self.lo_k_s < 0 or self.observations <= TRUST_AFTER:
+            self.lo_k_s, self.lo_t_s = self.k_s, self.t_s  # a seed: both lines the same
+            return
+        lo: cython.double = self.lo_k_s + self.lo_t_s * max(n, 1)
+        if lo <= 0:
+            return
+        err: cython.double = seconds - lo
+        a: cython.double = 0.5 if err < 0 else LOW_RISE
+        share_k: cython.double = self.lo_k_s / lo
+        self.lo_k_s = max(1e-6, self.lo_k_s + a * err * share_k)
+        self.lo_t_s = max(0.0, self.lo_t_s + a * err * (1 - share_k) / max(n, 1))
 
     @cython.ccall
     def observe(self, n: cython.long, seconds: cython.double) -> cython.void:
@@ -78,17 +113,19 @@ class LinearLatency:
         share_k = self.k_s / pred
         self.k_s = max(1e-6, self.k_s + alpha * err * share_k)
         self.t_s = max(0.0, self.t_s + alpha * err * (1 - share_k) / max(n, 1))
+        self._observe_low(n, seconds)
 
     @cython.ccall
     def remeasure(self, n: cython.long, seconds: cython.double) -> cython.void:
-        """A probe's measurement (the estimate was refusing requests): believed at once,
-        the line scaled to pass through it."""
+        """A probe's measurement (the estimate was refusing requests): the mean line is
+        scaled to pass through it at once; the fast end follows as after any batch."""
         pred: cython.double = self.estimate_s(n)
         self.observations += 1
         self.far_streak = 0
         if pred > 0 and seconds > 0:
             self.k_s = max(1e-6, self.k_s * seconds / pred)
             self.t_s = self.t_s * seconds / pred
+            self._observe_low(n, seconds)  # a faster probe lowers the fast end at once
 
     def max_batch_within(self, budget_s: float, cap: int) -> int:
         """Largest n <= cap with estimate_s(n) <= budget_s (0 when even n=1 does not fit)."""
