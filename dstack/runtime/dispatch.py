@@ -28,7 +28,10 @@ The refusal rules (every refusal names one):
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
 
-An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
+Refusals read the estimate's fast end (`LinearLatency.refusal_s`: what recent batches took
+at their quickest, rising only slowly), never its mean: a request is refused only when even
+that says it cannot make it, so contention cannot feed on itself through refusals and
+retries. An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
 estimate says, and the estimate refuses nothing until that probe's batch has run. So a
@@ -223,7 +226,7 @@ class _Model:
         """The estimate changed (or was set)."""
         est = self.estimate
         self.trusted = est is not None and est.trusted
-        self.one_s = est.estimate_s(1) if self.trusted else 0.0
+        self.one_s = est.refusal_s(1) if self.trusted else 0.0
 
     @cython.cfunc
     def push(self, t: Ticket) -> cython.void:
@@ -360,8 +363,8 @@ class _Core:
             start: cython.double = now
             if st.running and st.run_until > now:
                 start = st.run_until
-            per_batch: cython.double = est.estimate_s(cap)
-            own_s: cython.double = est.estimate_s(own)
+            per_batch: cython.double = est.refusal_s(cap)
+            own_s: cython.double = est.refusal_s(own)
             finish: cython.double = start + full_batches * per_batch + own_s
             if finish > t.deadline:
                 st.est_refused = True
@@ -504,7 +507,7 @@ class _Core:
             run_s: cython.double
             while k < len(tickets):
                 t = tickets[k]
-                run_s = est.estimate_s(taken)
+                run_s = est.refusal_s(taken)
                 if not t.deadline < now + run_s:
                     break
                 taken -= t.n
@@ -522,7 +525,7 @@ class _Core:
         st.dirty = True
         if est is None:
             est = st.estimate
-        st.run_until = now + (est.estimate_s(taken) if est is not None else 0.0)
+        st.run_until = now + (est.refusal_s(taken) if est is not None else 0.0)
         return Batch(model, i, tuple(tickets), taken, now, reuse)
 
     # ------------------------------------------------------------------ results
