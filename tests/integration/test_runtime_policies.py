@@ -235,8 +235,8 @@ def test_a_dead_worker_fails_its_requests_at_once_and_is_restarted(tmp_path: Pat
 
 def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path: Path) -> None:
     """Model a is planned for 5 rps and then gets ~110: the rate tracker notices, the plan
-    is re-solved (a's batch grows in the lane it shares with b on the whole device) and
-    handed over; every request is answered."""
+    is re-solved and handed over (shadow workers where a slice changes); every request is
+    answered."""
     write_cpu_profiles(tmp_path, ms_per_item=10.0)
     cfg = config("dstack", tmp_path, slo_ms=3000, max_queue_delay_ms=5)
     cfg["models"][0]["rate_rps"] = 5
@@ -263,11 +263,13 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
             failed = [r for r in results if isinstance(r, BaseException)]
             assert rt.replans >= 1, "the rate rose 20x and nothing was re-planned"
             assert not failed, failed[:3]
-            # The lane plan at 5 rps each already shares the whole device in one lane
-            # (batch 1 each); the re-plan keeps the lane and grows tiny_a's batch.
-            assert rt.current_slice("tiny_a") == slice_before
-            assert rt.plan().for_model("tiny_a").percent == 100.0  # type: ignore[union-attr]
-            assert rt.plan().for_model("tiny_a").batch > batch_before  # type: ignore[union-attr]
+            # At 5 rps each the plan gives each model a core of its own (spatial's lanes);
+            # at ~110 rps tiny_a needs more: the re-plan changes its slice or its batch, the
+            # worker runs the new plan's slice, and the switch failed nothing (above).
+            after = rt.plan().for_model("tiny_a")  # type: ignore[union-attr]
+            now_slice = rt.current_slice("tiny_a")
+            assert now_slice != slice_before or after.batch > batch_before
+            assert now_slice is not None and now_slice.percent == after.percent
         finally:
             await rt.stop()
 
