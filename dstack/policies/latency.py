@@ -10,7 +10,7 @@ from __future__ import annotations
 import cython
 
 TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
-LOW_RISE = 0.02  # how far the fast-end line rises toward a slower batch, per batch
+LOW_RISE = 0.005  # how far the fast-end line rises toward a slower batch, per batch
 
 
 # An extension type when compiled (setup.py): the simulator and the dispatcher ask it on
@@ -68,9 +68,8 @@ class LinearLatency:
 
     @cython.cfunc
     def _observe_low(self, n: cython.long, seconds: cython.double) -> cython.void:
-        if self.lo_k_s < 0 or self.observations <= TRUST_AFTER:
-            self.lo_k_s, self.lo_t_s = self.k_s, self.t_s  # a seed: both lines the same
-            return
+        if self.lo_k_s < 0:
+            return  # split off in `observe`, from the seed, before its first batch
         lo: cython.double = self.lo_k_s + self.lo_t_s * max(n, 1)
         if lo <= 0:
             return
@@ -87,6 +86,8 @@ class LinearLatency:
         their share of the prediction."""
         pred: cython.double = self.estimate_s(n)
         err: cython.double = seconds - pred
+        if self.lo_k_s < 0:  # the fast end starts at the seed (a profile, a warm-up)
+            self.lo_k_s, self.lo_t_s = self.k_s, self.t_s
         self.observations += 1
         if pred <= 0:
             return

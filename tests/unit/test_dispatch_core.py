@@ -245,3 +245,24 @@ def test_drain_takes_every_queued_ticket() -> None:
     ts = [core.admit(m, 1, 0.0) for m in (A, B, A)]
     assert set(core.drain()) == set(ts)
     assert core.queued == 0 and core.pending(A) == 0
+
+
+def test_slower_batches_raise_the_refusal_estimate_only_slowly() -> None:
+    """Contention (batches at 5x their usual time, say while refused clients flood the
+    server) moves the mean at once but the fast end that refusals read only slowly, so a
+    burst of slow batches does not start refusing; a faster batch brings it down at once."""
+    est = LinearLatency(0.010, 0.0)
+    for _ in range(5):
+        est.observe(1, 0.010)
+    for _ in range(20):
+        est.observe(1, 0.050)
+    assert est.estimate_s(1) > 0.040  # the mean follows
+    assert est.refusal_s(1) < 0.020  # the fast end barely moved
+    core = core_for(slo_s=0.1, estimates={A: est})
+    assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    assert isinstance(core.admit(A, 1, 0.0), Ticket)  # one ahead: 2 x fast end < 100 ms
+    for _ in range(2000):  # persistent: the fast end gets there in the end
+        est.observe(1, 0.050)
+    assert est.refusal_s(1) > 0.045
+    est.observe(1, 0.012)
+    assert est.refusal_s(1) < 0.035
