@@ -86,6 +86,7 @@ class SharedPolicy:
     backend: SliceBackend
     latency: Mapping[str, LinearLatency] = field(default_factory=dict)
     name: PolicyName = PolicyName.SHARED
+    concurrent = True  # (a class attribute, not a field)
 
     def batch_cap(self, model: str) -> int:
         return self.models[model].max_batch
@@ -179,6 +180,7 @@ class TemporalPolicy(SharedPolicy):
 
     batch: dict[str, int] = field(default_factory=dict)
     name: PolicyName = PolicyName.TEMPORAL
+    concurrent = False  # one model at a time
     _next: int = 0
 
     def batch_cap(self, model: str) -> int:

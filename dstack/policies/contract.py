@@ -64,6 +64,9 @@ class Policy(Protocol):
     never reads a clock, sleeps or does I/O; `now` is passed in."""
 
     name: PolicyName
+    #: Whether models may run batches at the same time (False: one batch on the device at
+    #: a time). CPU workers whose cores overlap then wait for work asleep, not spinning.
+    concurrent: bool
 
     def slices(self) -> dict[str, SliceSpec]:
         """The slice each model's worker is started in."""

@@ -62,6 +62,7 @@ class LanePolicy:
     """The `dstack` policy over a `LanePlan` (module docstring)."""
 
     name = PolicyName.DSTACK
+    concurrent = True  # lanes run side by side
 
     def __init__(self, models: dict[str, ModelParams], backend: SliceBackend, the_plan: Plan,
                  the_schedule: Schedule, origin: float = 0.0,

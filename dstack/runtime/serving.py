@@ -49,7 +49,7 @@ from dstack.runtime.dispatch import (
 )
 from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.replanner import Replanner
-from dstack.runtime.supervisor import Supervisor
+from dstack.runtime.supervisor import Supervisor, passive_models
 from dstack.runtime.worker import WorkerHandle
 
 log = logging.getLogger("dstack.runtime")
@@ -130,15 +130,16 @@ class WorkerPool(Protocol):
     """What the runtime uses of its `Supervisor` (the seam a test's fake workers plug
     into; see `Supervisor` for the contract of each method)."""
 
-    async def start_all(self, slices: Mapping[str, SliceSpec]) -> dict[str, Ready]: ...
+    async def start_all(self, slices: Mapping[str, SliceSpec], *,
+                        passive: frozenset[str] = ...) -> dict[str, Ready]: ...
     def blocked(self) -> frozenset[str]: ...
     def worker(self, model: str) -> WorkerHandle | None: ...
     def is_ready(self, model: str) -> bool: ...
     def accepting(self, model: str) -> bool: ...
     def current_slice(self, model: str) -> SliceSpec | None: ...
     async def stop_all(self) -> None: ...
-    async def start_shadows(self, slices: Mapping[str, SliceSpec]
-                            ) -> dict[str, WorkerHandle]: ...
+    async def start_shadows(self, slices: Mapping[str, SliceSpec], *,
+                            passive: frozenset[str] = ...) -> dict[str, WorkerHandle]: ...
     async def switch(self, shadows: Mapping[str, WorkerHandle],
                      running: Callable[[str], bool]) -> None: ...
 
@@ -188,7 +189,9 @@ class Runtime:
         self.setup = await asyncio.to_thread(setup_policy, self.cfg, self.slices,
                                              origin=self._clock())
         policy = self.setup.policy
-        ready = await self.supervisor.start_all(policy.slices())
+        slices = policy.slices()
+        ready = await self.supervisor.start_all(
+            slices, passive=passive_models(slices, policy.concurrent))
         estimates = dict(self.setup.estimates)
         for name, info in ready.items():
             # No profile: the worker's warm-up timings seed its estimate.
@@ -421,7 +424,8 @@ class Runtime:
         core = self.core
         assert core is not None
         new_slices = setup.policy.slices()
-        shadows = await self.supervisor.start_shadows(new_slices)
+        shadows = await self.supervisor.start_shadows(
+            new_slices, passive=passive_models(new_slices, setup.policy.concurrent))
         await self.supervisor.switch(shadows, core.running)
         core.set_policy(setup.policy, self._clock(), setup.estimates)
         self.setup = setup

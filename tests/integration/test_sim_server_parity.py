@@ -127,7 +127,8 @@ class FakeSupervisor:
         self.workers: dict[str, FakeWorker] = {}
         self.slices: dict[str, SliceSpec] = {}
 
-    async def start_all(self, slices: Mapping[str, SliceSpec]) -> dict[str, Ready]:
+    async def start_all(self, slices: Mapping[str, SliceSpec], *,
+                        passive: frozenset[str] = frozenset()) -> dict[str, Ready]:
         out = {}
         for i, m in enumerate(self.cfg.models):
             table = latency_table_s(self.profiles[m.name], slices[m.name].percent,
@@ -155,7 +156,8 @@ class FakeSupervisor:
     async def stop_all(self) -> None:
         return None
 
-    async def start_shadows(self, slices: Mapping[str, SliceSpec]) -> dict[str, FakeWorker]:
+    async def start_shadows(self, slices: Mapping[str, SliceSpec], *,
+                            passive: frozenset[str] = frozenset()) -> dict[str, FakeWorker]:
         raise AssertionError("adapt is off: no re-plan")
 
     async def switch(self, shadows: object, running: object) -> None:
