@@ -21,8 +21,8 @@ from bench.closed_loop import Target, closed_loop
 
 # Two of the four policies, ~35-60 s each here (most of it the server starting its two
 # workers): `temporal` (round robin on the whole device, the policy that refuses the most
-# under this load) and `dstack` (the planned cycle, idle reuse and re-planning).
-# `make bench-closed-loop` runs all four.
+# under this load) and `dstack` (the lane plan and re-planning). `make bench-closed-loop`
+# runs all four.
 SMOKE_POLICIES = ("temporal", "dstack")
 
 
@@ -41,6 +41,10 @@ def test_closed_loop_every_model_is_answered_without_5xx_or_hangs(
         assert c.connection_errors == 0 and c.client_errors == 0, (model, c.to_json(), log)
         assert not c.other_4xx, (model, dict(c.other_4xx))
         assert c.answered > 0, (model, c.to_json())
+    if policy == "dstack":  # the product's policy answers this light load, refusing little
+        sent = sum(c.sent for c in counts.values())
+        answered = sum(c.answered for c in counts.values())
+        assert answered >= 0.95 * sent, {m: c.to_json() for m, c in counts.items()}
 
 
 class _Refuses(BaseHTTPRequestHandler):
