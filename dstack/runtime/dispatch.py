@@ -28,10 +28,11 @@ The refusal rules (every refusal names one):
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
 
-Refusals read the estimate's fast end (`LinearLatency.refusal_s`: what recent batches took
-at their quickest, rising only slowly), never its mean: a request is refused only when even
-that says it cannot make it, so contention cannot feed on itself through refusals and
-retries. An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
+Admission and expiry in the queue read the estimate's fast end (`LinearLatency.refusal_s`:
+what recent batches took at their quickest, rising only slowly), not its mean: a request is
+refused there only when even that says it cannot make it, so contention cannot feed on
+itself through refusals and retries. The trim at launch reads the mean: that batch runs
+now, and its likeliest length decides which heads it would answer late. An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
 estimate says, and the estimate refuses nothing until that probe's batch has run. So a
@@ -507,7 +508,7 @@ class _Core:
             run_s: cython.double
             while k < len(tickets):
                 t = tickets[k]
-                run_s = est.refusal_s(taken)
+                run_s = est.estimate_s(taken)  # the batch runs now: its likeliest length
                 if not t.deadline < now + run_s:
                     break
                 taken -= t.n
