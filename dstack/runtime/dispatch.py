@@ -32,7 +32,9 @@ Admission and expiry in the queue read the estimate's fast end (`LinearLatency.r
 what recent batches took at their quickest, rising only slowly), not its mean: a request is
 refused there only when even that says it cannot make it, so contention cannot feed on
 itself through refusals and retries. The trim at launch reads the mean: that batch runs
-now, and its likeliest length decides which heads it would answer late. An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
+now, and its likeliest length decides which heads it would answer late.
+
+An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
 estimate says, and the estimate refuses nothing until that probe's batch has run. So a
