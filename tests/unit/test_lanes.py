@@ -17,6 +17,7 @@ from dstack.policies.latency import LinearLatency
 from dstack.policies.planning import model_params
 from optimizer.lanes import (
     DROP_GAIN,
+    ISOLATION_GAIN,
     LaneInstance,
     LaneModel,
     brute_force,
@@ -170,8 +171,11 @@ def test_every_plan_packs_into_a_valid_schedule(specs, kind):
     lane_units = [u for lane in plan.lanes for u in lane.units]
     assert len(lane_units) == len(set(lane_units))
     assert sum(lane.percent for lane in plan.lanes) <= 100 + 1e-6
+    # Never below either baseline's assignment; below the searched plan only where the
+    # planner kept spatial's isolation for a gain of at most ISOLATION_GAIN.
     for c in ref.candidates:
-        assert plan.objective >= c.value - 1e-9
+        slack = ISOLATION_GAIN * c.value if c.source not in ("spatial", "temporal") else 0.0
+        assert plan.objective >= c.value - slack - 1e-9, c.source
 
 
 def _view(model, items, deadline, running=False):
