@@ -1,9 +1,18 @@
-"""Shared test set-up: tests marked `gpu` are skipped where CUDA is not available, and
-the suite refuses to run on a compiled module older than its source."""
+"""Shared test set-up: tests marked `gpu` are skipped where CUDA is not available, the
+suite refuses to run on a compiled module older than its source, and property tests draw
+the same examples on every run (`HYPOTHESIS_PROFILE=explore` draws new ones)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# A red CI must mean a regression, not a new draw: the default profile is repeatable.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
