@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from dstack.common.config import ConfigError, DeployConfig, PolicyName
 from dstack.common.slices import SliceBackend
-from dstack.common.types import ModelSLO, Plan, Profile, Schedule, SolverStatus, load_profiles
+from dstack.common.types import Plan, Profile, Schedule, load_profiles
 from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.contract import ModelParams, Policy
 from dstack.policies.lane_planning import plan_lanes
@@ -66,31 +66,6 @@ def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
     profiles' device). Never raises for a mix it cannot serve whole: a model no lane can
     serve is left out and named (status INFEASIBLE), the rest are planned."""
     return plan_lanes(cfg, profiles, backend, rates)[0]
-
-
-def shelf_plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
-                   rates: dict[str, float] | None = None) -> Plan:
-    """The earlier shelf/cycle optimizer's plan (`optimizer.solve`), for comparison."""
-    from optimizer import SolveOptions, solve
-
-    grow = 1.0 + cfg.rate_headroom
-    slos = [
-        ModelSLO(m.name, m.slo_ms, grow * (rates or {}).get(m.name, m.rate_rps), m.priority)
-        for m in cfg.models
-    ]
-    opts = SolveOptions(max_batch={m.name: m.max_batch_size for m in cfg.models})
-    return solve(profiles, slos, opts)
-
-
-def solve_plan(cfg: DeployConfig, profiles: dict[str, Profile],
-               rates: dict[str, float] | None = None) -> Plan:
-    """`shelf_plan_for`, refusing a plan that leaves some model out (ConfigError saying
-    why). The `dstack` policy no longer uses it (its lane plan never refuses)."""
-    plan = shelf_plan_for(cfg, profiles, rates)
-    if plan.status is SolverStatus.INFEASIBLE:
-        why = "; ".join(s.reason for s in plan.shortfalls)
-        raise ConfigError(f"no plan can serve every model within its SLO: {why}")
-    return plan
 
 
 def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
