@@ -30,13 +30,14 @@ from dstack.common.errors import (
 from dstack.common.types import ModelSpec, TensorSpec
 from server import codec
 from server.metrics import CONTENT_TYPE, Metrics
+from server.model_config import triton_model_config
 
 log = logging.getLogger("dstack.server")
 
 SERVER_NAME = "dstack"
 MODEL_VERSION = "1"
 PLATFORM = "pytorch_libtorch"  # what Triton reports for TorchScript models
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
 
 
 def _version() -> str:
@@ -213,6 +214,9 @@ def create_app(
         spec_of(model, version)
         return {"model_stats": [triton_stats(backend.stats(model))]}
 
+    async def config(model: str, version: str | None = None) -> dict[str, Any]:
+        return triton_model_config(backend, spec_of(model, version), PLATFORM)
+
     async def infer(request: Request) -> Response:
         model = request.path_params["model"]
         spec = spec_of(model, request.path_params.get("version"))  # 404: no label for it
@@ -243,6 +247,7 @@ def create_app(
         app.add_api_route(prefix, metadata, methods=["GET"])
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
         app.add_api_route(prefix + "/stats", stats, methods=["GET"])
+        app.add_api_route(prefix + "/config", config, methods=["GET"])
         # A plain Starlette route: the body is read and decoded by hand anyway, and
         # FastAPI's per-request dependency solving is a measurable share of the hot path.
         app.router.add_route(prefix + "/infer", infer, methods=["POST"],

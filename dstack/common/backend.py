@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dstack.common.config import DeployConfig
 from dstack.common.types import ModelSpec, Plan, Schedule
 
 
@@ -59,3 +60,7 @@ class InferenceBackend(Protocol):
     def schedule(self) -> Schedule | None: ...
 
     def policy_name(self) -> str: ...
+
+    def deploy_config(self) -> DeployConfig:
+        """The deployment being served (each model's SLO, batching, priority; the device)."""
+        ...

@@ -273,6 +273,9 @@ class Runtime:
     def policy_name(self) -> str:
         return self.cfg.policy.value
 
+    def deploy_config(self) -> DeployConfig:
+        return self.cfg
+
     def stats(self, model: str) -> ModelStats:
         self.spec(model)
         if self.core is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dstack.common.backend import ModelStats
+from dstack.common.config import DeployConfig, parse_config
 from dstack.common.errors import BackendError, ModelNotFound
 from dstack.common.types import DType, ModelSpec, Plan, Schedule, TensorSpec
 
@@ -28,6 +29,16 @@ SPECS = {
         max_batch_size=8,
     ),
 }
+# The deployment the fake reports (`deploy_config`): what `/config` reads.
+DEPLOY = parse_config({
+    "policy": "shared",
+    "models": [
+        {"name": "double", "slo_ms": 250, "max_batch_size": 4, "max_queue_delay_ms": 3,
+         "max_queue": 64, "rate_rps": 20, "priority": "high"},
+        {"name": "flip", "max_batch_size": 2},
+        {"name": "broken"},
+    ],
+})
 
 
 class FakeBackend:
@@ -90,6 +101,9 @@ class FakeBackend:
 
     def policy_name(self) -> str:
         return "fake"
+
+    def deploy_config(self) -> DeployConfig:
+        return DEPLOY
 
     async def start(self) -> None:
         self.started = True
