@@ -60,6 +60,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if plan.status is SolverStatus.INFEASIBLE else 0
 
 
+def _cmd_mig_advise(args: argparse.Namespace) -> int:
+    from dstack.mig_cli import mig_advise_command
+
+    return mig_advise_command(args)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from dstack.simulate.cli import simulate_command
 
@@ -101,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot-window", default="300ms",
                      help="how much of the run's start the timeline shows")
     sim.set_defaults(func=_cmd_simulate)
+
+    from dstack.mig_cli import add_mig_parser
+
+    add_mig_parser(sub, _cmd_mig_advise)
     return p
 
 
