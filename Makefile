@@ -34,23 +34,25 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Load test a running server (make serve in another terminal): Locust headless for
-# DURATION, RATE requests/s in total at the peak of SHAPE (steady|steps|burst), SLOs from
-# SLO_MS (one number or model=ms,...) else from CONFIG. Reports under LOADTEST_OUT.
+# DURATION, RATE requests/s in total at the peak of SHAPE (steady|steps|burst). Models and
+# SLOs come from the server; SLO_MS (one number or model=ms,...) or SLO_CONFIG (a
+# deployment file) override them. Reports under LOADTEST_OUT.
 HOST ?= http://127.0.0.1:8000
 DURATION ?= 30s
 USERS ?= 4
 RATE ?= 8
 SHAPE ?= steady
 SLO_MS ?=
+SLO_CONFIG ?=
 LOADTEST_OUT ?= out/loadtest
 
 loadtest: $(STAMP)
 	mkdir -p $(LOADTEST_OUT)
 	rm -f $(LOADTEST_OUT)/outcomes.json
 	$(PY) -m loadtests.summary scrape --host $(HOST) --out $(LOADTEST_OUT)/metrics_before.prom
-	LOCUST_HOST=$(HOST) $(VENV)/bin/locust -f loadtests/locustfile.py --headless \
+	$(VENV)/bin/locust -f loadtests/locustfile.py --headless \
 		--host $(HOST) -u $(USERS) -r $(USERS) -t $(DURATION) --stop-timeout 10 \
-		--rate $(RATE) --shape $(SHAPE) --dstack-config $(CONFIG) \
+		--rate $(RATE) --shape $(SHAPE) $(if $(SLO_CONFIG),--dstack-config $(SLO_CONFIG)) \
 		$(if $(SLO_MS),--slo-ms $(SLO_MS)) --outcomes-json $(LOADTEST_OUT)/outcomes.json \
 		--csv $(LOADTEST_OUT)/locust --html $(LOADTEST_OUT)/report.html \
 		--only-summary --exit-code-on-error 0 --loglevel WARNING

@@ -1,9 +1,11 @@
 """Locust load test of a running dstack (or any KServe v2 / Triton HTTP) server.
 
-One user class per served model, found at start-up with `POST /v2/repository/index` and
-`GET /v2/models/{m}` (for the input tensors). Each user sends KServe v2 infer requests
-with binary tensors, built and parsed by `server.codec`'s client functions (the wire
-protocol only: nothing else of the server is imported).
+Needs only the host: at the start of a run it finds the served models with
+`POST /v2/repository/index`, their input tensors with `GET /v2/models/{m}`, and each
+model's SLO with `GET /v2/models/{m}/config` (dstack's `slo_ms` under `parameters`).
+Each user sends one model's KServe v2 infer requests (each new user takes the model with
+the fewest users) with binary tensors, built and parsed by `server.codec`'s client
+functions (the wire protocol only: nothing else of the server is imported).
 
 SLO accounting, per request:
 - answered in time (HTTP 200, well-formed, within the model's SLO): a success;
@@ -11,9 +13,15 @@ SLO accounting, per request:
 - refused (HTTP 429 or 503): a failure named "refused";
 - anything else: a failure naming the status and the server's error.
 
-The SLO of each model comes from `--slo-ms` (`model=ms,model=ms` or one number for all,
-env `DSTACK_SLO_MS`), else from the deployment file `--dstack-config` (env
-`DSTACK_CONFIG`: each model's `slo_ms`). A served model with neither is an error.
+`--slo-ms` (`model=ms,model=ms` or one number for all, env `DSTACK_SLO_MS`) overrides
+the server's SLOs, and so does the deployment file `--dstack-config` (env `DSTACK_CONFIG`:
+each model's `slo_ms`); `--slo-ms` wins over both. A model with no SLO from any of them
+(a server without the config extension) is an error.
+
+Discovery runs once per run: headless (or `--autostart`) when Locust starts, so an
+unreachable server is one error line and exit code 1 before any user starts; in the web
+UI, where the host may be typed in with the run, when the run starts (an unreachable
+server there stops the run, and the error is logged and shown as a failure).
 
 Load: `--rate` is the total offered request rate (rps) at the shape's peak, spread over
 the users (each user paces itself at rate/users rps, a closed loop with a throughput
@@ -21,22 +29,23 @@ cap). `--shape` picks the user count over time: `steady` (all users for the run)
 `steps` (a quarter more users every quarter of the run), `burst` (a quarter of the users,
 all of them in the middle fifth of the run). The run lasts `--run-time`.
 
-The host is needed before Locust parses its options (to make the user classes), so it is
-read from `LOCUST_HOST` or `-H/--host` on the command line.
-
-    LOCUST_HOST=http://127.0.0.1:8000 locust -f loadtests/locustfile.py --headless \
-        -u 4 -t 30s --rate 8 --shape steady --dstack-config configs/default.yaml
+    locust -f loadtests/locustfile.py --headless -u 4 -t 30s --rate 8 --shape steady \
+        --host http://127.0.0.1:8000
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
+import urllib.error
 import urllib.request
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
+import gevent
 import numpy as np
 import yaml
 from locust import FastHttpUser, LoadTestShape, constant_throughput, events, task
@@ -57,14 +66,21 @@ NP_DTYPES = {
 }
 REFUSED_STATUS = (429, 503)
 
+log = logging.getLogger("dstack.loadtest")
 
-def _host_from_argv(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a in ("-H", "--host") and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--host="):
-            return a.split("=", 1)[1]
-    return None
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One served model under test: its SLO and a ready one-item request."""
+
+    model: str
+    slo_ms: float
+    body: bytes
+    headers: dict[str, str]
+
+
+class DiscoveryError(Exception):
+    """The server cannot be read, serves nothing, or a model has no SLO."""
 
 
 def _http_json(url: str, method: str = "GET") -> Any:
@@ -73,15 +89,48 @@ def _http_json(url: str, method: str = "GET") -> Any:
         return json.loads(r.read())
 
 
-def discover(host: str) -> dict[str, dict[str, Any]]:
-    """Served model name -> its KServe v2 metadata."""
+def _server_slo_ms(host: str, model: str) -> float | None:
+    """The SLO in the model's config (`parameters.slo_ms`); None from a server without
+    the config extension or without that parameter."""
+    try:
+        cfg = _http_json(f"{host}/v2/models/{model}/config")
+    except urllib.error.HTTPError:
+        return None
+    value = cfg.get("parameters", {}).get("slo_ms", {}).get("string_value")
+    return float(value) if value else None
+
+
+def discover(host: str, slo_spec: str | None, config: str | None) -> list[Target]:
+    """The models `host` serves, each with its SLO (`parse_slos`' overrides first, then
+    the server's) and a request body for its inputs. Raises DiscoveryError."""
     host = host.rstrip("/")
-    index = _http_json(f"{host}/v2/repository/index", "POST")
-    return {m["name"]: _http_json(f"{host}/v2/models/{m['name']}") for m in index}
+    try:
+        index = _http_json(f"{host}/v2/repository/index", "POST")
+        metas = {m["name"]: _http_json(f"{host}/v2/models/{m['name']}") for m in index}
+        server_slos = {name: _server_slo_ms(host, name) for name in metas}
+    except urllib.error.HTTPError as e:
+        raise DiscoveryError(f"{e.url} answered HTTP {e.code}: is {host} a KServe v2 "
+                             "server?") from None
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise DiscoveryError(f"cannot reach the server at {host} ({reason}): start it, "
+                             "or pass the right --host") from None
+    if not metas:
+        raise DiscoveryError(f"the server at {host} serves no models")
+    try:
+        given = parse_slos(slo_spec, config, list(metas))
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise DiscoveryError(f"bad --slo-ms or --dstack-config: {e}") from None
+    slos = {name: ms for name, ms in server_slos.items() if ms is not None} | given
+    if missing := sorted(metas.keys() - slos.keys()):
+        raise DiscoveryError(f"no SLO for model(s) {', '.join(missing)}: the server reports "
+                             "none; pass --slo-ms or --dstack-config")
+    return [Target(name, slos[name], *request_body(meta)) for name, meta in metas.items()]
 
 
 def parse_slos(spec: str | None, config: str | None, models: list[str]) -> dict[str, float]:
-    """Each model's SLO in ms, from `--slo-ms` first, then the deployment file."""
+    """The SLOs in ms given on the command line: `--slo-ms` first, then the deployment
+    file; models in neither are left out."""
     slos: dict[str, float] = {}
     if config:
         with open(config) as f:
@@ -98,11 +147,6 @@ def parse_slos(spec: str | None, config: str | None, models: list[str]) -> dict[
             for part in spec.split(","):
                 name, _, ms = part.partition("=")
                 slos[name.strip()] = float(ms)
-    missing = [m for m in models if m not in slos]
-    if missing:
-        raise SystemExit(
-            f"no SLO for model(s) {', '.join(missing)}: pass --slo-ms or --dstack-config"
-        )
     return slos
 
 
@@ -159,11 +203,61 @@ def _options(parser: Any) -> None:
 # model -> outcome -> count; outcomes: ok, slo_miss, refused, error
 OUTCOMES: dict[str, dict[str, int]] = {}
 SLOS_MS: dict[str, float] = {}
+# This run's models (found when it starts) and how many users each has now.
+TARGETS: list[Target] = []
+USERS_PER_MODEL: Counter[str] = Counter()
+_FOUND_AT_INIT: set[str] = set()  # hosts discovered at init, for the run about to start
 
 
 def _tally(model: str, outcome: str) -> None:
     per = OUTCOMES.setdefault(model, {"ok": 0, "slo_miss": 0, "refused": 0, "error": 0})
     per[outcome] += 1
+
+
+def _discover(environment: Any) -> None:
+    """Find this run's models on `environment.host` (raises DiscoveryError)."""
+    opts = environment.parsed_options
+    TARGETS.clear()  # a failed discovery leaves no stale models behind
+    if not environment.host:
+        raise DiscoveryError("no host to load test: pass --host (or enter it in the web UI)")
+    TARGETS.extend(discover(environment.host, opts.slo_ms, opts.dstack_config))
+    SLOS_MS.update({t.model: t.slo_ms for t in TARGETS})
+    log.info("load testing %s: %s", environment.host,
+             ", ".join(f"{t.model} (SLO {t.slo_ms:g} ms)" for t in TARGETS))
+
+
+@events.init.add_listener
+def _discover_at_init(environment: Any, **_: Any) -> None:
+    """Headless and --autostart runs know their host before they start: discover now, so
+    that a bad host is one error line and exit code 1 before anything runs."""
+    opts = environment.parsed_options
+    if opts is None or opts.worker or not (opts.headless or opts.autostart):
+        return
+    try:
+        _discover(environment)
+    except DiscoveryError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+    _FOUND_AT_INIT.add(environment.host)
+
+
+@events.test_start.add_listener
+def _discover_at_test_start(environment: Any, **_: Any) -> None:
+    """Runs started from the web UI (which may set the host with the run) and on workers
+    discover as they start. A failure is logged, shown in the UI as a failed DISCOVER
+    request, and stops the run."""
+    if environment.host in _FOUND_AT_INIT:
+        _FOUND_AT_INIT.discard(environment.host)  # found at init for this very run
+        return
+    try:
+        _discover(environment)
+    except DiscoveryError as e:
+        log.error("%s", e)
+        environment.events.request.fire(
+            request_type="DISCOVER", name=environment.host or "(no host)", response_time=0,
+            response_length=0, exception=e, context={})
+        # Not stopped from here: stop() kills the greenlet that is starting the run.
+        gevent.spawn(environment.runner.stop)
 
 
 @events.quitting.add_listener
@@ -175,14 +269,10 @@ def _write_outcomes(environment: Any, **_: Any) -> None:
 
 
 class ModelUser(FastHttpUser):
-    """Sends one model's infer requests; subclassed per served model below."""
+    """Sends one served model's infer requests. Each new user takes the model with the
+    fewest users, so the users spread evenly over the models."""
 
-    abstract = True
-    model = ""
-    meta: dict[str, Any] = {}
-    slo_s = 0.0
-    body = b""
-    headers: dict[str, str] = {}
+    target: Target | None = None
 
     def wait_time(self) -> float:  # type: ignore[override]
         opts = self.environment.parsed_options
@@ -190,64 +280,54 @@ class ModelUser(FastHttpUser):
         return constant_throughput(opts.rate / users)(self)
 
     def on_start(self) -> None:
-        cls = type(self)
-        if not cls.body:
-            opts = self.environment.parsed_options
-            slos = parse_slos(opts.slo_ms, opts.dstack_config, [cls.model])
-            cls.slo_s = slos[cls.model] / 1000
-            SLOS_MS[cls.model] = slos[cls.model]
-            cls.body, cls.headers = request_body(cls.meta)
+        if not TARGETS:  # discovery failed and the run is stopping: send nothing
+            return
+        self.target = min(TARGETS, key=lambda t: USERS_PER_MODEL[t.model])
+        USERS_PER_MODEL[self.target.model] += 1
+
+    def on_stop(self) -> None:
+        if self.target is not None:
+            USERS_PER_MODEL[self.target.model] -= 1
 
     @task
     def infer(self) -> None:
+        t = self.target
+        if t is None:
+            return
         t0 = time.perf_counter()
         with self.client.post(
-            f"/v2/models/{self.model}/infer",
-            data=self.body,
-            headers=self.headers,
-            name=self.model,
+            f"/v2/models/{t.model}/infer",
+            data=t.body,
+            headers=t.headers,
+            name=t.model,
             catch_response=True,
         ) as resp:
-            elapsed = time.perf_counter() - t0
+            elapsed_ms = 1000 * (time.perf_counter() - t0)
             if resp.status_code in REFUSED_STATUS:
                 resp.failure("refused")
-                _tally(self.model, "refused")
+                _tally(t.model, "refused")
             elif resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
-                _tally(self.model, "error")
+                _tally(t.model, "error")
             else:
                 try:
                     codec.decode_response(resp.content, resp.headers.get(codec.HEADER_LENGTH))
                 except ValueError as e:
                     resp.failure(f"bad response: {e}")
-                    _tally(self.model, "error")
+                    _tally(t.model, "error")
                     return
-                if elapsed > self.slo_s:
+                if elapsed_ms > t.slo_ms:
                     resp.failure("SLO miss")
-                    _tally(self.model, "slo_miss")
+                    _tally(t.model, "slo_miss")
                 else:
                     resp.success()
-                    _tally(self.model, "ok")
-
-
-def _make_users() -> dict[str, type[ModelUser]]:
-    host = os.environ.get("LOCUST_HOST") or _host_from_argv(sys.argv)
-    if not host:
-        return {}  # `locust --help` and friends; a run without a host fails in Locust
-    users = {}
-    for name, meta in discover(host).items():
-        cls_name = "User_" + "".join(c if c.isalnum() else "_" for c in name)
-        users[cls_name] = type(
-            cls_name, (ModelUser,), {"model": name, "meta": meta, "abstract": False}
-        )
-    return users
-
-
-globals().update(_make_users())
+                    _tally(t.model, "ok")
 
 
 class DStackShape(LoadTestShape):
     """steady / steps / burst over `--run-time` (see module docstring)."""
+
+    use_common_options = True  # it reads --users, --spawn-rate and --run-time
 
     def tick(self) -> tuple[int, float] | None:
         opts = self.runner.environment.parsed_options  # type: ignore[union-attr]

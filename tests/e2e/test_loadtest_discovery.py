@@ -1,0 +1,89 @@
+"""Locust needs only the host: against a real server process it finds the models, their
+inputs and SLOs (the config endpoint) itself; a port nothing listens on is one error
+line and a non-zero exit. Also `tritonclient` reading the config of the real runtime."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tritonclient.http as triton
+
+from tests.e2e.conftest import ROOT, Server, free_port
+
+LOCUST = str(Path(sys.executable).with_name("locust"))
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> Server:  # noqa: ANN001 - the `serve` fixture of conftest
+    # Generous SLOs: this checks that requests are sent and answered, not speed.
+    return serve({
+        "policy": "shared",
+        "models": [
+            {"name": "tiny_cnn", "slo_ms": 5000, "max_batch_size": 4},
+            {"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 3000, "max_batch_size": 2,
+             "max_queue_delay_ms": 4, "priority": "high"},
+        ],
+    })
+
+
+def locust(
+    host: str, tmp_path: Path, *extra: str, run_time: str = "3s"
+) -> tuple[subprocess.CompletedProcess, Path]:
+    outcomes = tmp_path / "outcomes.json"
+    run = subprocess.run(
+        [LOCUST, "-f", "loadtests/locustfile.py", "--headless", "-u", "4", "-r", "4",
+         "-t", run_time, "--host", host, "--only-summary", "--outcomes-json", str(outcomes),
+         *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    return run, outcomes
+
+
+def test_locust_with_only_the_host_sends_requests_that_are_answered(
+    server: Server, tmp_path: Path
+) -> None:
+    run, outcomes = locust(f"http://{server.url}", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    result = json.loads(outcomes.read_text())
+    assert result["slo_ms"] == {"tiny_cnn": 5000, "tiny": 3000}  # from the server
+    for model in ("tiny_cnn", "tiny"):
+        counts = result["outcomes"][model]
+        assert counts["ok"] > 0 and counts["error"] == 0, (model, counts)
+
+
+def test_slo_ms_overrides_the_server(server: Server, tmp_path: Path) -> None:
+    run, outcomes = locust(f"http://{server.url}", tmp_path, "--slo-ms", "tiny=4000", run_time="1s")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(outcomes.read_text())["slo_ms"] == {"tiny_cnn": 5000, "tiny": 4000}
+
+
+def test_locust_against_a_closed_port_exits_with_one_error_line(tmp_path: Path) -> None:
+    host = f"http://127.0.0.1:{free_port()}"  # bound and released: nothing listens there
+    run, outcomes = locust(host, tmp_path)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"cannot reach the server at {host}" in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+    assert not outcomes.exists()  # quit before the run
+
+
+def test_tritonclient_reads_the_runtimes_config(server: Server) -> None:
+    client = triton.InferenceServerClient(server.url)
+    try:
+        cfg = client.get_model_config("tiny")
+    finally:
+        client.close()
+    assert cfg["name"] == "tiny" and cfg["max_batch_size"] == 2
+    assert cfg["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [3, 32, 32]}]
+    assert cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 4000
+    assert cfg["instance_group"][0]["kind"] == "KIND_CPU"
+    params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+    # `shared` has no plan: the batch it aims for (the cap) and the whole device.
+    assert params == {"slo_ms": "3000", "priority": "high", "rate_rps": "0",
+                      "max_queue": "1024", "policy": "shared", "planned_batch_size": "2",
+                      "slice_percent": "100"}
