@@ -164,7 +164,7 @@ def unfit_reason(model: MigModel, gpu: MigGpu, *, extra: bool = False,
     lat = model.lane.latency(b0, gpu.percent(full))
     if lat >= model.lane.slo_ms:
         return (f"{model.name}: batch {b0} takes {lat:.2f} ms on {full.name} (p50 + margin, "
-                f"the whole GPU's SMs); its SLO is {model.lane.slo_ms:g} ms: fits no MIG "
+                f"at 100% of the SMs); its SLO is {model.lane.slo_ms:g} ms: fits no MIG "
                 f"instance")
     biggest = max((p for p in gpu.profiles if extra or not p.extra), key=lambda p: p.memory_gb)
     need = model.memory_mb(b0) + context_mb
@@ -207,7 +207,7 @@ def advise(models: Sequence[MigModel], gpu: MigGpu, *, extra: bool = False,
     bad = {i for i, _ in unfit}
     fit = [i for i in range(len(models)) if i not in bad]
     groups = candidate_groups(scorer, fit, profiles, max_share)
-    vectors = sorted({_counts(lay) for lay in layouts})
+    vectors = list(dict.fromkeys(_counts(lay) for lay in layouts))  # in layout order
 
     prob = pulp.LpProblem("dstack_mig", pulp.LpMaximize)
     z = [prob.add_variable(f"z_{c}", cat=pulp.LpBinary) for c in range(len(vectors))]
