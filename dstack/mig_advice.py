@@ -20,7 +20,7 @@ from dstack.policies.lane_planning import LATENCY_MARGIN, plan_lanes
 from dstack.simulate.latency import latency_ms
 from optimizer.lanes import LaneModel, candidate_batches, planning_latency
 from optimizer.mig import CONTEXT_MB, MAX_SHARE, Group, MigChoice, MigModel, advise, alone
-from optimizer.mig_layouts import MigDataError, MigGpu, describe, load_gpu
+from optimizer.mig_layouts import MigDataError, MigGpu, MigProfile, describe, load_gpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class MigReport:
     notes: tuple[str, ...]
 
     @property
-    def kinds(self) -> list[Any]:
+    def kinds(self) -> list[MigProfile]:
         return [p for p in self.gpu.profiles if self.extra or not p.extra]
 
 

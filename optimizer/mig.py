@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import pulp
+import pulp  # with optimizer/milp.py, the two modules that import PuLP
 
 from optimizer.lanes import LaneEval, LaneInstance, LaneModel, best_lane
 from optimizer.mig_layouts import Layout, MigGpu, MigProfile, valid_layouts
