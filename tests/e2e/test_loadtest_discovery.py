@@ -1,12 +1,16 @@
 """Locust needs only the host: against a real server process it finds the models, their
-inputs and SLOs (the config endpoint) itself; a port nothing listens on is one error
-line and a non-zero exit. Also `tritonclient` reading the config of the real runtime."""
+inputs and SLOs (the config endpoint) itself, headless and in the web UI; a port nothing
+listens on is one error line and a non-zero exit. Also `tritonclient` reading the config
+of the real runtime."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,3 +91,46 @@ def test_tritonclient_reads_the_runtimes_config(server: Server) -> None:
     assert params == {"slo_ms": "3000", "priority": "high", "rate_rps": "0",
                       "max_queue": "1024", "policy": "shared", "planned_batch_size": "2",
                       "slice_percent": "100"}
+
+
+def test_web_ui_discovers_the_host_entered_with_the_run(server: Server) -> None:
+    port = free_port()
+    ui = subprocess.Popen(
+        [LOCUST, "-f", "loadtests/locustfile.py", "--web-host", "127.0.0.1", "--web-port",
+         str(port)],  # no --host: it comes with the run, as typed into the web UI
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def run(host: str, rows: set[str]) -> dict:
+        """Start a run on `host` and wait until it stopped with these rows of stats."""
+        form = {"user_count": "2", "spawn_rate": "2", "run_time": "2s", "host": host}
+        urllib.request.urlopen(f"{base}/swarm", urllib.parse.urlencode(form).encode(), 5)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            with urllib.request.urlopen(f"{base}/stats/requests", timeout=5) as r:
+                stats = json.loads(r.read())
+            if stats["state"] == "stopped" and rows <= {s["name"] for s in stats["stats"]}:
+                return stats
+        raise AssertionError(f"no stopped run with rows {rows}: {stats}")
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(base, timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and ui.poll() is None, "no web UI"
+                time.sleep(0.2)
+        good = run(f"http://{server.url}", {"tiny_cnn", "tiny"})
+        answered = {s["name"]: s["num_requests"] - s["num_failures"] for s in good["stats"]}
+        assert answered["tiny_cnn"] > 0 and answered["tiny"] > 0, good["stats"]
+        closed = f"http://127.0.0.1:{free_port()}"
+        bad = run(closed, {closed})
+        assert [e["method"] for e in bad["errors"]] == ["DISCOVER"], bad["errors"]
+        assert "cannot reach the server" in bad["errors"][0]["error"]
+    finally:
+        ui.terminate()
+        ui.wait(10)
