@@ -42,7 +42,42 @@ class ServerConfig(_Strict):
     """TCP port (0 picks a free one)."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Largest request body accepted; larger ones get 413."""
+    body_budget_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024
+    """Bytes of request bodies held in memory at once, all requests together. A request
+    whose Content-Length does not fit in what is left gets 503 (with Retry-After) before
+    its body is read; a chunked body is counted as it arrives."""
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """A client must send a request's whole header within this many seconds of connecting
+    (or of the request's first byte on a kept-alive connection); else it is closed."""
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """An upload that sends no byte for this many seconds gets 408 and is closed."""
+    max_connections: Annotated[int, Field(ge=1)] = 1000
+    """Open client connections at most; one more is answered 503 and closed at once."""
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still
+    arriving are refused at once with 503); what is still running after it is cancelled."""
+    auth_token_file: Path | None = None
+    """File holding a bearer token that every request must send (`Authorization: Bearer
+    ...`), except on `auth_open_paths`. The environment variable DSTACK_AUTH_TOKEN is
+    the alternative; give one or neither. Neither: no authentication."""
+    auth_open_paths: tuple[str, ...] = ("/v2/health/", "/metrics")
+    """Paths served without a token: an entry ending in "/" is a prefix, others exact."""
+    tls_certfile: Path | None = None
+    """PEM certificate (chain): serve HTTPS instead of HTTP (uvicorn's ssl_certfile)."""
+    tls_keyfile: Path | None = None
+    """PEM private key of `tls_certfile` (not needed when the cert file holds the key)."""
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerConfig:
+        if self.body_budget_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"body_budget_bytes ({self.body_budget_bytes}) is below max_body_bytes "
+                f"({self.max_body_bytes}): a body of the largest allowed size could never be read"
+            )
+        if self.tls_keyfile is not None and self.tls_certfile is None:
+            raise ValueError("tls_keyfile is given without tls_certfile")
+        return self
 
 
 class ModelConfig(_Strict):
@@ -61,6 +96,9 @@ class ModelConfig(_Strict):
     rate_rps: Annotated[float, Field(ge=0)] = 0.0
     """Expected request rate, for the optimizer (0: unknown)."""
     priority: Priority = Priority.NORMAL
+    max_replicas: Annotated[int, Field(ge=1, le=64)] = 4
+    """Policy dstack: at most this many workers for the model, side by side, when one
+    cannot serve its rate within the SLO (each loads the weights; 1: never)."""
     weights: Path | None = None
     """Local state-dict file (torch.load weights_only=True) or TorchScript file."""
     torchscript: Path | None = None
@@ -183,4 +221,9 @@ def _resolve_paths(cfg: DeployConfig, base: Path) -> DeployConfig:
         m.model_copy(update={"weights": fix(m.weights), "torchscript": fix(m.torchscript)})
         for m in cfg.models
     ]
-    return cfg.model_copy(update={"profiles": fix(cfg.profiles), "models": models})
+    srv = cfg.server
+    server = srv.model_copy(update={"auth_token_file": fix(srv.auth_token_file),
+                                    "tls_certfile": fix(srv.tls_certfile),
+                                    "tls_keyfile": fix(srv.tls_keyfile)})
+    return cfg.model_copy(update={"profiles": fix(cfg.profiles), "models": models,
+                                  "server": server})

@@ -16,6 +16,7 @@ from dstack.policies.contract import ModelParams, Policy
 from dstack.policies.lane_planning import plan_lanes
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
+from dstack.policies.replicas import choose, expand, public_name, split_rates, wanted
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +24,10 @@ class PolicySetup:
     policy: Policy
     plan: Plan | None
     schedule: Schedule | None
-    profiles: dict[str, Profile]  # keyed by served model name
+    profiles: dict[str, Profile]  # keyed by worker name (a replica: `dstack.policies.replicas`)
     estimates: dict[str, LinearLatency]  # seeded from the profiles, at each worker's slice
+    run_cfg: DeployConfig  # the config the workers run: `cfg` with its replicas
+    replicas: dict[str, int]  # served model -> its number of workers
 
 
 def model_params(cfg: DeployConfig) -> dict[str, ModelParams]:
@@ -68,12 +71,43 @@ def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
     return plan_lanes(cfg, profiles, backend, rates)[0]
 
 
+def replica_counts(cfg: DeployConfig, profiles: dict[str, Profile],
+                   backend: SliceBackend) -> dict[str, int]:
+    """How many workers each model gets under the `dstack` policy: the replica counts whose
+    lane plan predicts the most goodput (`dstack.policies.replicas`)."""
+    min_pct = 100.0 / backend.total_units if backend.kind == "cpu" else 0.0
+
+    def score(counts: dict[str, int]) -> float:
+        run = expand(cfg, counts)
+        return plan_lanes(run, _replica_profiles(run, profiles), backend)[0].objective
+
+    return choose(cfg, wanted(cfg, profiles, min_pct), score)
+
+
+def _replica_profiles(run_cfg: DeployConfig,
+                      profiles: dict[str, Profile]) -> dict[str, Profile]:
+    return {m.name: profiles[public_name(m.name)] for m in run_cfg.models}
+
+
 def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
                  rates: dict[str, float] | None = None,
-                 profiles: dict[str, Profile] | None = None) -> PolicySetup:
-    params = model_params(cfg)
+                 profiles: dict[str, Profile] | None = None,
+                 replicas: dict[str, int] | None = None) -> PolicySetup:
+    """The policy for `cfg` on `backend`. `rates`: measured rates per served model (a
+    re-plan; default the configured ones). `replicas`: workers per model, fixed (a re-plan
+    keeps the workers it has); default: chosen here for `dstack`, one for the others."""
     if profiles is None:
         profiles = served_profiles(cfg)
+    counts = {m.name: 1 for m in cfg.models}
+    if cfg.policy is PolicyName.DSTACK and profiles:
+        counts = dict(replicas) if replicas is not None else replica_counts(cfg, profiles,
+                                                                            backend)
+    run_cfg = expand(cfg, counts)
+    if run_cfg is not cfg:
+        profiles = _replica_profiles(run_cfg, profiles)
+        rates = split_rates(rates, counts)
+    cfg = run_cfg
+    params = model_params(cfg)
     plan = schedule = None
     knees: dict[str, float] = {}
     tbatch: dict[str, int] = {}
@@ -100,4 +134,4 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
                                             bs[-1], prof.latency_ms(bs[-1], pct) / 1000)
             estimates[name] = lat
     policy.use_estimates(estimates)
-    return PolicySetup(policy, plan, schedule, profiles, estimates)
+    return PolicySetup(policy, plan, schedule, profiles, estimates, run_cfg, counts)

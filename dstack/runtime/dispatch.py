@@ -8,7 +8,10 @@ Driving it:
 
 - `admit(model, n, now, payload)` -> a queued `Ticket`, or a `Refusal` saying which rule
   refused it. `payload` is the caller's (the runtime's request with its future; the
-  simulator's nothing).
+  simulator's nothing). A served model with replicas (`groups`: its name -> its workers'
+  names, `dstack.policies.replicas`) is admitted to the replica with the fewest items
+  waiting, an idle one first, one the plan leaves out last; the ticket's `model` is that
+  replica's position. Its `counters` and `pending` are the replicas' summed.
 - `step(now)` -> `Step`: batches to launch now (their tickets taken off the queues),
   tickets refused because they can no longer make their deadline, failures (a policy that
   raised: its queued tickets, with the reason), and when to step again at the latest.
@@ -49,7 +52,7 @@ step are extension types, and a queue's head is kept in typed fields.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -62,6 +65,7 @@ from dstack.policies.latency import LinearLatency
 PROBE_S = 1.0
 
 _INF = cython.declare(cython.double, math.inf)
+_UNSERVED_KEY = cython.declare(cython.longlong, 1 << 60)
 #: A queue's taken slots are dropped once this many have piled up at its front (_Model).
 _COMPACT_AT = cython.declare(cython.Py_ssize_t, 256)
 
@@ -277,6 +281,8 @@ class _Core:
 
     names = cython.declare(list, visibility="public")  # model names, in the core's order
     index = cython.declare(dict, visibility="public")  # model name -> its position
+    # served model -> its replicas' positions (models with more than one worker only)
+    groups = cython.declare(dict, visibility="public")
     estimates = cython.declare(dict, visibility="public")  # model name -> LinearLatency
     _m = cython.declare(list, visibility="public")  # of _Model, in the core's order
     probe_s = cython.declare(cython.double, visibility="public")
@@ -288,9 +294,12 @@ class _Core:
 
     def __init__(self, models: Sequence[CoreModel], policy: Policy,
                  estimates: dict[str, LinearLatency] | None = None, *, now: float = 0.0,
-                 probe_s: float = PROBE_S) -> None:
+                 probe_s: float = PROBE_S,
+                 groups: Mapping[str, Sequence[str]] | None = None) -> None:
         self.names = [m.name for m in models]
         self.index = {m.name: i for i, m in enumerate(models)}
+        self.groups = {name: [self.index[r] for r in members]
+                       for name, members in (groups or {}).items() if len(members) > 1}
         self.estimates = dict(estimates or {})
         self._m = [_Model(m, self.estimates.get(m.name)) for m in models]
         self.n_models = len(self._m)
@@ -332,7 +341,11 @@ class _Core:
 
     def admit(self, model: str, n: int, now: float,
               payload: object = None) -> Ticket | Refusal:
-        i: cython.Py_ssize_t = self.index[model]
+        """Queue a request of `n` items for `model` (a served model with replicas: to one
+        of them, see the module docstring), or refuse it."""
+        i: cython.Py_ssize_t
+        group = self.groups.get(model) if self.groups else None
+        i = self.index[model] if group is None else self._route(group)
         st: _Model = self._m[i]
         k: cython.longlong = n
         st.counters.arrived += 1
@@ -383,6 +396,22 @@ class _Core:
         self.queued += k
         st.counters.admitted += 1
         return t
+
+    @cython.cfunc
+    def _route(self, group: list) -> cython.Py_ssize_t:
+        best: cython.Py_ssize_t = -1
+        best_key: cython.longlong = 0
+        key: cython.longlong
+        i: cython.Py_ssize_t
+        st: _Model
+        for i in group:
+            st = self._m[i]
+            key = 2 * st.items + (1 if st.running else 0)
+            if st.unserved is not None:  # left out of the plan: it would refuse
+                key += _UNSERVED_KEY
+            if best < 0 or key < best_key:
+                best, best_key = i, key
+        return best
 
     @cython.cfunc
     def _refusing_estimate(self, st: _Model, now: cython.double) -> object:
@@ -601,13 +630,41 @@ class _Core:
     # ------------------------------------------------------------------ reading
 
     def counters(self, model: str) -> Counters:
-        st: _Model = self._m[self.index[model]]
-        return st.counters
+        """A model's counters; a served model with replicas: theirs summed (a copy)."""
+        group = self.groups.get(model) if self.groups else None
+        st: _Model
+        if group is None:
+            st = self._m[self.index[model]]
+            return st.counters
+        out = Counters()
+        for i in group:
+            st = self._m[i]
+            c: Counters = st.counters
+            out.arrived += c.arrived
+            out.admitted += c.admitted
+            for rule, k in c.refused.items():
+                out.refused[rule] += k
+            out.served += c.served
+            out.within_slo += c.within_slo
+            out.failed += c.failed
+            out.batches += c.batches
+            out.items += c.items
+            out.queue_s += c.queue_s
+            out.compute_s += c.compute_s
+        return out
 
     def pending(self, model: str) -> int:
-        """Requests queued or in a running batch (the running batch counts as one)."""
-        st: _Model = self._m[self.index[model]]
-        return st.qlen + (1 if st.running else 0)
+        """Requests queued or in a running batch (the running batch counts as one); a
+        served model with replicas: over all of them."""
+        group = self.groups.get(model) if self.groups else None
+        if group is None:
+            group = [self.index[model]]
+        total: cython.Py_ssize_t = 0
+        st: _Model
+        for i in group:
+            st = self._m[i]
+            total += st.qlen + (1 if st.running else 0)
+        return total
 
     def running(self, model: str) -> bool:
         st: _Model = self._m[self.index[model]]

@@ -28,8 +28,9 @@ class Replanner:
 
     def __init__(self, cfg: DeployConfig, slices: SliceBackend,
                  apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], *, replicas: dict[str, int] | None = None) -> None:
         self.cfg = cfg
+        self.replicas = replicas  # workers per model: a re-plan keeps them
         self.slices = slices
         self._apply = apply
         self._clock = clock
@@ -58,7 +59,8 @@ class Replanner:
         self.busy = True
         try:
             setup = await asyncio.to_thread(
-                setup_policy, self.cfg, self.slices, origin=self._clock(), rates=rates)
+                setup_policy, self.cfg, self.slices, origin=self._clock(), rates=rates,
+                replicas=self.replicas)
             await self._apply(setup, rates)
         except Exception:
             log.exception("re-plan failed; keeping the current plan")

@@ -39,6 +39,7 @@ from dstack.common.types import ModelSpec, Plan, Schedule
 from dstack.policies.contract import Policy
 from dstack.policies.latency import LinearLatency
 from dstack.policies.planning import PolicySetup, setup_policy
+from dstack.policies.replicas import replica_groups, replica_names
 from dstack.runtime.dispatch import (
     Batch,
     CoreModel,
@@ -199,10 +200,12 @@ class Runtime:
                 1, info.warm_ms_batch1 / 1000, info.max_batch, info.warm_ms_max / 1000))
         self.core = DispatchCore(
             [CoreModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue)
-             for m in self.cfg.models],
-            policy, estimates, now=self._clock())  # the cycle starts as serving starts
+             for m in self.setup.run_cfg.models],
+            policy, estimates, now=self._clock(),  # the cycle starts as serving starts
+            groups=replica_groups(self.setup.replicas))
         if policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
-            self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock)
+            self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
+                                       replicas=self.setup.replicas)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
         self._ready = True
@@ -260,9 +263,14 @@ class Runtime:
     def is_ready(self) -> bool:
         return self._ready and all(self.is_model_ready(m) for m in self.specs)
 
+    def workers(self, model: str) -> tuple[str, ...]:
+        """The workers serving `model`: itself, then its replicas (`m#1`, ...)."""
+        n = self.setup.replicas.get(model, 1) if self.setup is not None else 1
+        return replica_names(model, n)
+
     def is_model_ready(self, model: str) -> bool:
         self.spec(model)
-        return self._ready and self.supervisor.is_ready(model)
+        return self._ready and all(self.supervisor.is_ready(w) for w in self.workers(model))
 
     def plan(self) -> Plan | None:
         return self.policy.plan() if self.policy else None
@@ -302,7 +310,7 @@ class Runtime:
         core = self.core
         if self._closing or not self._ready or core is None:
             raise Unavailable("server is not ready")
-        if not self.supervisor.accepting(model):
+        if not any(self.supervisor.accepting(w) for w in self.workers(model)):
             raise Unavailable(f"model {model} is not ready")
         n = next(iter(inputs.values())).shape[0]
         now = self._clock()
@@ -312,7 +320,7 @@ class Runtime:
         got = core.admit(model, n, now, Request(inputs, fut))
         if not isinstance(got, Ticket):
             raise refusal_error(got.reason, got.message)
-        if not core.running(model):
+        if not core.running(core.names[got.model]):  # its replica, where it has several
             self._wake.set()
         return await fut
 

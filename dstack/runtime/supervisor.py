@@ -28,6 +28,7 @@ from dstack.common.config import ModelConfig
 from dstack.common.errors import DStackError
 from dstack.common.slices import SliceBackend, SliceSpec
 from dstack.common.types import ModelSpec
+from dstack.policies.replicas import public_name
 from dstack.runtime.messages import Ready
 from dstack.runtime.worker import WorkerConfig, WorkerHandle, WorkerState, arena_for
 
@@ -115,7 +116,13 @@ class Supervisor:
     async def start_all(self, slices: Mapping[str, SliceSpec], *,
                         passive: frozenset[str] = frozenset()) -> dict[str, Ready]:
         """Start every model's worker in its slice; all or nothing (raises the first
-        error after stopping the ones that started). `passive`: see `passive_models`."""
+        error after stopping the ones that started). `passive`: see `passive_models`.
+        A name in `slices` that is not a model's is a replica of one
+        (`dstack.policies.replicas`): another worker for the same model."""
+        for n in slices:
+            if n not in self._slots:
+                base = self._slots[public_name(n)]
+                self._slots[n] = _Slot(base.cfg, base.spec)
         names = list(self._slots)
         for n in names:
             self._slots[n].passive = n in passive

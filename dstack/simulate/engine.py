@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import cython
@@ -88,12 +88,14 @@ class RunResult:
 def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
         model_idx: Sequence[int], duration_s: float, *,
         estimates: dict[str, LinearLatency] | None = None,
-        timeline_s: float = 0.0) -> RunResult:
+        timeline_s: float = 0.0, served: Sequence[str] | None = None,
+        groups: Mapping[str, Sequence[str]] | None = None) -> RunResult:
     """Drive `policy` through the arrivals (sorted `times`, with `model_idx` into
-    `models`) on a virtual clock; see the module docstring for the semantics.
-    `estimates`: the latency estimates the core starts from (as the server's planning
-    seeds them)."""
-    return _Loop(policy, models, duration_s, timeline_s, estimates).run(
+    `served`, default the models' names) on a virtual clock; see the module docstring for
+    the semantics. `estimates`: the latency estimates the core starts from (as the
+    server's planning seeds them). `groups`: served model -> its replicas among `models`
+    (the core routes each arrival to one); counts are per served model."""
+    return _Loop(policy, models, duration_s, timeline_s, estimates, served, groups).run(
         array("d", times), array("i", model_idx))
 
 
@@ -189,6 +191,7 @@ class _Loop:
     core: object  # DispatchCore
     device: _Device
     names: list
+    served: list  # what arrivals name: served models (each one or more of `names`)
     tables: list  # per model: L(b) in seconds at its slice
     pct: cython.double[:]  # per model: its slice
     duration_s: cython.double
@@ -203,13 +206,16 @@ class _Loop:
     decisions: cython.longlong
 
     def __init__(self, policy: Policy, models: Sequence[SimModel], duration_s: float,
-                 timeline_s: float, estimates: dict[str, LinearLatency] | None) -> None:
+                 timeline_s: float, estimates: dict[str, LinearLatency] | None,
+                 served: Sequence[str] | None,
+                 groups: Mapping[str, Sequence[str]] | None) -> None:
         self.names = [m.name for m in models]
+        self.served = list(served) if served is not None else self.names
         self.tables = [m.latency_s for m in models]
         self.pct = array("d", [m.percent for m in models])
         self.core = DispatchCore(
             [CoreModel(m.name, m.slo_s, m.max_batch, m.max_queue) for m in models],
-            policy, estimates, now=0.0)
+            policy, estimates, now=0.0, groups=groups)
         self.device = _Device(len(models), duration_s)
         self.duration_s = duration_s
         self.timeline_s = timeline_s
@@ -260,7 +266,7 @@ class _Loop:
     def run(self, times: cython.double[:], model_idx: cython.int[:]) -> RunResult:
         core = self.core
         device: _Device = self.device
-        names: list = self.names
+        served: list = self.served
         admit = core.admit
         n_arr: cython.Py_ssize_t = len(times)
         i: cython.Py_ssize_t = 0
@@ -278,8 +284,8 @@ class _Loop:
             elif ta <= self.wake:
                 j = model_idx[i]
                 i += 1
-                got = admit(names[j], 1, ta)
-                if isinstance(got, Ticket) and self.batches[j] is None:
+                got = admit(served[j], 1, ta)
+                if isinstance(got, Ticket) and self.batches[got.model] is None:
                     self.step(ta)
             elif self.wake < INF:
                 now = self.wake
@@ -294,7 +300,7 @@ class _Loop:
         return RunResult(
             duration_s=self.duration_s,
             end_s=end_s,
-            counts={name: core.counters(name) for name in names},
+            counts={name: core.counters(name) for name in served},
             latencies_s=self.lat_out,
             busy_integral=device.busy,
             decisions=self.decisions,

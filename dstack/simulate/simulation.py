@@ -11,6 +11,7 @@ from dstack.common.config import ConfigError, DeployConfig, PolicyName
 from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend
 from dstack.common.types import Profile
 from dstack.policies.planning import setup_policy
+from dstack.policies.replicas import replica_groups
 from dstack.simulate.engine import RunResult, SimModel, run
 from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
 from dstack.simulate.latency import latency_table_s
@@ -77,12 +78,14 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
         models = [
             SimModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue,
                      slices[m.name].percent,
-                     latency_table_s(profiles[m.name], slices[m.name].percent, m.max_batch_size))
-            for m in cfg.models
+                     latency_table_s(setup.profiles[m.name], slices[m.name].percent,
+                                     m.max_batch_size))
+            for m in setup.run_cfg.models
         ]
         t1 = time.perf_counter()
         r = run(setup.policy, models, times, idx, duration_s, estimates=setup.estimates,
-                timeline_s=timeline_s)
+                timeline_s=timeline_s, served=[m.name for m in cfg.models],
+                groups=replica_groups(setup.replicas))
         wall[str(name)] = (t1 - t0, time.perf_counter() - t1)
         results[str(name)] = r
         reports.append(summarise(str(name), r, ideal))

@@ -26,6 +26,7 @@ from dstack.common.errors import DStackError
 from dstack.common.slices import CpuSlices, SliceSpec
 from dstack.common.types import Cell, DeviceInfo, ModelSpec, Profile
 from dstack.policies.planning import served_profiles, setup_policy
+from dstack.policies.replicas import public_name, replica_groups
 from dstack.runtime.dispatch import DispatchCore, Refusal, Step, Ticket
 from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.serving import Runtime, served_spec
@@ -130,12 +131,14 @@ class FakeSupervisor:
     async def start_all(self, slices: Mapping[str, SliceSpec], *,
                         passive: frozenset[str] = frozenset()) -> dict[str, Ready]:
         out = {}
-        for i, m in enumerate(self.cfg.models):
-            table = latency_table_s(self.profiles[m.name], slices[m.name].percent,
+        cfgs = {m.name: m for m in self.cfg.models}
+        for i, name in enumerate(slices):  # a model's replicas too
+            m = cfgs[public_name(name)]
+            table = latency_table_s(self.profiles[m.name], slices[name].percent,
                                     m.max_batch_size)
-            self.workers[m.name] = FakeWorker(self.specs[m.name], table, 1000 + i)
-            self.slices[m.name] = slices[m.name]
-            out[m.name] = Ready(1000 + i, table[1] * 1000, table[-1] * 1000, m.max_batch_size)
+            self.workers[name] = FakeWorker(self.specs[m.name], table, 1000 + i)
+            self.slices[name] = slices[name]
+            out[name] = Ready(1000 + i, table[1] * 1000, table[-1] * 1000, m.max_batch_size)
         return out
 
     def blocked(self) -> frozenset[str]:
@@ -233,11 +236,12 @@ def simulate(cfg: DeployConfig, times: list[float], idx: list[int]) -> None:
     slices = setup.policy.slices()
     models = [SimModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue,
                        slices[m.name].percent,
-                       latency_table_s(profiles[m.name], slices[m.name].percent,
+                       latency_table_s(setup.profiles[m.name], slices[m.name].percent,
                                        m.max_batch_size))
-              for m in cfg.models]
+              for m in setup.run_cfg.models]
     assert sum(m.percent for m in models) <= 100.0  # no processor sharing to model
-    run(setup.policy, models, times, idx, DURATION_S, estimates=setup.estimates)
+    run(setup.policy, models, times, idx, DURATION_S, estimates=setup.estimates,
+        served=[m.name for m in cfg.models], groups=replica_groups(setup.replicas))
 
 
 def serve(cfg: DeployConfig, times: list[float], idx: list[int]) -> list[object]:
