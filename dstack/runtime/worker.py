@@ -82,6 +82,10 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
 
         import models
 
+        # Without a weights file a zoo model starts from random weights: the same ones in
+        # every worker, so a replica, a restarted worker or a re-plan's shadow answers
+        # exactly as the worker before it.
+        torch.manual_seed(0)
         model = models.load_model(
             cfg.zoo_name, weights=cfg.weights, builder=cfg.builder, torchscript=cfg.torchscript
         )
