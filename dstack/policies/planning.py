@@ -13,7 +13,7 @@ from dstack.common.slices import SliceBackend
 from dstack.common.types import Plan, Profile, Schedule, load_profiles
 from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.contract import ModelParams, Policy
-from dstack.policies.lane_planning import plan_lanes
+from dstack.policies.lane_planning import backend_of, plan_lanes
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
 from dstack.policies.replicas import choose, expand, public_name, split_rates, wanted
@@ -62,13 +62,16 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
 
 
 def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
-             rates: dict[str, float] | None = None,
              backend: SliceBackend | None = None) -> Plan:
-    """The `dstack` policy's lane plan for the config's models at `rates` (default: the
-    configured `rate_rps`), each grown by `rate_headroom`, on `backend` (default: the
-    profiles' device). Never raises for a mix it cannot serve whole: a model no lane can
-    serve is left out and named (status INFEASIBLE), the rest are planned."""
-    return plan_lanes(cfg, profiles, backend, rates)[0]
+    """The `dstack` policy's lane plan for the config's models at their configured
+    `rate_rps`, each grown by `rate_headroom`, on `backend` (default: the profiles'
+    device), with the replicas the server would start. Never raises for a mix it cannot
+    serve whole: a model no lane can serve is left out and named (status INFEASIBLE), the
+    rest are planned."""
+    if backend is None:
+        backend = backend_of(profiles)
+    run = expand(cfg, replica_counts(cfg, profiles, backend))
+    return plan_lanes(run, _replica_profiles(run, profiles), backend)[0]
 
 
 def replica_counts(cfg: DeployConfig, profiles: dict[str, Profile],
