@@ -32,19 +32,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from dstack.common.config import ConfigError, load_config
     from dstack.common.slices import CpuSlices
     from dstack.common.types import SolverStatus
-    from dstack.policies.planning import plan_for, served_profiles
+    from dstack.policies.planning import load_for_planning, plan_for
     from dstack.policies.schedule import build_schedule
     from optimizer.cli import draw_gantt, format_plan
 
-    cfg = load_config(args.config)
-    if args.profiles:
-        cfg = cfg.model_copy(update={"profiles": Path(args.profiles)})
-    if cfg.profiles is None:
-        raise ConfigError(f"{args.config}: no `profiles:` in the config and no --profiles given")
-    profiles = served_profiles(cfg, check_device=False)
+    cfg, profiles = load_for_planning(args.config, args.profiles)
     plan = plan_for(cfg, profiles)
     print(format_plan(plan))
     if cfg.rate_headroom:

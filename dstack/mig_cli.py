@@ -35,11 +35,10 @@ def mig_advise_command(args: argparse.Namespace) -> int:
     """Exit 0 with advice, 1 when some model fits no instance (the others still advised),
     2 for a bad config, GPU name or profile (raised as ConfigError / ProfileError)."""
     import json
-    from pathlib import Path
 
-    from dstack.common.config import ConfigError, load_config
+    from dstack.common.config import ConfigError
     from dstack.mig_advice import format_report, mig_report, report_dict
-    from dstack.policies.planning import served_profiles
+    from dstack.policies.planning import load_for_planning
     from optimizer.mig import CONTEXT_MB, MAX_SHARE
 
     if args.gpu not in GPUS:
@@ -47,12 +46,7 @@ def mig_advise_command(args: argparse.Namespace) -> int:
     share = MAX_SHARE if args.max_share is None else args.max_share
     if share < 1:
         raise ConfigError(f"--max-share must be at least 1 (got {share})")
-    cfg = load_config(args.config)
-    if args.profiles:
-        cfg = cfg.model_copy(update={"profiles": Path(args.profiles)})
-    if cfg.profiles is None:
-        raise ConfigError(f"{args.config}: no `profiles:` in the config and no --profiles given")
-    profiles = served_profiles(cfg, check_device=False)
+    cfg, profiles = load_for_planning(args.config, args.profiles)
     report = mig_report(cfg, profiles, args.gpu, extra=args.all_profiles, max_share=share,
                         context_mb=CONTEXT_MB if args.context_mb is None else args.context_mb)
     if args.json:

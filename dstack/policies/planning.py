@@ -7,8 +7,9 @@ exactly the same policy for the same inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from dstack.common.config import ConfigError, DeployConfig, PolicyName
+from dstack.common.config import ConfigError, DeployConfig, PolicyName, load_config
 from dstack.common.slices import SliceBackend
 from dstack.common.types import Plan, Profile, Schedule, load_profiles
 from dstack.policies.baseline_params import knee_percent, temporal_batch
@@ -59,6 +60,19 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
             )
         out[m.name] = prof
     return out
+
+
+def load_for_planning(config: str | Path,
+                      profiles_dir: str | Path | None = None
+                      ) -> tuple[DeployConfig, dict[str, Profile]]:
+    """A config and its profiles for planning only (`dstack plan`, `dstack mig-advise`):
+    `profiles_dir` overrides the config's `profiles:`; they may come from another device."""
+    cfg = load_config(config)
+    if profiles_dir:
+        cfg = cfg.model_copy(update={"profiles": Path(profiles_dir)})
+    if cfg.profiles is None:
+        raise ConfigError(f"{config}: no `profiles:` in the config and no --profiles given")
+    return cfg, served_profiles(cfg, check_device=False)
 
 
 def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
