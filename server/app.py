@@ -7,6 +7,7 @@ code, an unexpected exception as 500 (and logged with its traceback).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -37,6 +38,9 @@ log = logging.getLogger("dstack.server")
 SERVER_NAME = "dstack"
 MODEL_VERSION = "1"
 PLATFORM = "pytorch_libtorch"  # what Triton reports for TorchScript models
+# Bodies above this are decoded in a thread. orjson and numpy hold the GIL while they
+# parse, so this only lets the loop run between the steps (docs/reliability.md).
+DECODE_INLINE_BYTES = 1024 * 1024
 EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
 
 
@@ -232,7 +236,11 @@ def create_app(
     async def _infer(request: Request, model: str, spec: ModelSpec) -> Response:
         require_ready(model)
         body = await read_body(request, max_body_bytes)
-        req = codec.decode_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
+        header_len = request.headers.get(codec.HEADER_LENGTH)
+        if len(body) > DECODE_INLINE_BYTES:  # a big body (JSON: slow) is decoded off the loop
+            req = await asyncio.to_thread(codec.decode_request, body, header_len, spec)
+        else:
+            req = codec.decode_request(body, header_len, spec)
         outputs = await backend.infer(model, req.inputs)
         payload, hlen = codec.encode_response(model, req, outputs, spec)
         if hlen is None:

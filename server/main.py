@@ -1,24 +1,34 @@
 """`dstack serve`: load the config, build the runtime, serve it over HTTP with uvicorn.
 
-The runtime's workers start in the app's lifespan (before the first request is
-accepted) and stop when uvicorn shuts down (SIGINT / SIGTERM), on every path.
+`serve` starts the runtime's workers before the socket accepts anything and says "ready"
+only then; a start-up failure is one line on stderr and exit code 2. SIGINT and SIGTERM
+both drain: requests in flight get `server.shutdown_grace_s` to finish, then the workers
+stop and the process exits 0. `docs/reliability.md` describes every limit.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import signal
 import socket
-from collections.abc import AsyncIterator
+import ssl
+import sys
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
 
 from dstack.common.backend import InferenceBackend
-from dstack.common.config import DeployConfig, load_config
+from dstack.common.config import DeployConfig, ServerConfig, load_config
 from server.app import create_app
+from server.auth import BearerAuth, load_token
+from server.connection import ConnectionLimits, LimitedHttpToolsProtocol
+from server.limits import BodyBudget, BodyLimits
 
 log = logging.getLogger("dstack.server")
 
@@ -29,23 +39,34 @@ class Startable(InferenceBackend, Protocol):
     async def stop(self) -> None: ...
 
 
-def build_app(cfg: DeployConfig, runtime: Startable | None = None) -> FastAPI:
-    """The app over `runtime` (default: a `dstack.runtime.serving.Runtime` for `cfg`), started
-    and stopped by the app's lifespan."""
+def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
+              auth_token: str | None = None, start_runtime: bool = True) -> FastAPI:
+    """The app over `runtime` (default: a `dstack.runtime.serving.Runtime` for `cfg`), with
+    the body limits and, given `auth_token`, bearer authentication. `start_runtime`: the
+    app's lifespan starts and stops the runtime (False: the caller does, as `serve` does)."""
     if runtime is None:
         from dstack.runtime.serving import Runtime  # heavy (torch): imported only when serving
 
         runtime = Runtime(cfg)
+    rt = runtime
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await runtime.start()
+        await rt.start()
         try:
             yield
         finally:
-            await runtime.stop()
+            await rt.stop()
 
-    return create_app(runtime, max_body_bytes=cfg.server.max_body_bytes, lifespan=lifespan)
+    s = cfg.server
+    app = create_app(runtime, max_body_bytes=s.max_body_bytes,
+                     lifespan=lifespan if start_runtime else None)
+    app.add_middleware(BodyLimits, max_body_bytes=s.max_body_bytes,
+                       budget=BodyBudget(s.body_budget_bytes))
+    if auth_token is not None:  # outermost: no body is read for a request without the token
+        app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
+                           drain_bytes=s.max_body_bytes)
+    return app
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -65,49 +86,137 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: FastAPI, *, log_level: str = "info") -> uvicorn.Server:
-    """A uvicorn server for `app`; run it with `server.run(sockets=[bind(host, port)])`."""
-    config = uvicorn.Config(
+def server_config(app: FastAPI, cfg: ServerConfig | None = None, *,
+                  log_level: str | None = None) -> uvicorn.Config:
+    """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files."""
+    cfg = cfg or ServerConfig()
+    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
+    return uvicorn.Config(
         app,
-        log_level=log_level,
+        http=LimitedHttpToolsProtocol.with_limits(limits),
+        log_level=log_level or cfg.log_level,
         access_log=False,  # one log line per request would cost more than decoding it
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
+        ssl_certfile=cfg.tls_certfile,
+        ssl_keyfile=cfg.tls_keyfile,
     )
-    return uvicorn.Server(config)
+
+
+def make_server(app: FastAPI, cfg: ServerConfig | None = None, *,
+                log_level: str | None = None) -> uvicorn.Server:
+    """A uvicorn server for `app`; run it with `server.run(sockets=[bind(host, port)])`."""
+    return uvicorn.Server(server_config(app, cfg, log_level=log_level))
+
+
+class StartupError(Exception):
+    """Serving cannot start; the message says why (one line)."""
+
+
+class _Serving(uvicorn.Server):
+    """uvicorn's server with the runtime started before the socket listens (so that a
+    failed start raises out of `run` before anything says ready) and stopped after the
+    connections drained."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Startable,
+                 on_ready: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.on_ready = on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.should_exit:  # stopped before it started
+            return
+        await self.runtime.start()
+        if self.should_exit:  # a signal while the workers were starting
+            await self.runtime.stop()
+            return
+        try:
+            await super().startup(sockets)
+        except BaseException:
+            await self.runtime.stop()
+            raise
+        self.on_ready()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await self.runtime.stop()
 
 
 def serve(config_path: str | Path, host: str | None = None, port: int | None = None) -> int:
-    """Serve until interrupted. Returns the process exit code (0 after a clean
-    shutdown, 1 when start-up failed). Raises ConfigError for a bad config file."""
-    cfg = load_config(config_path)
-    host = host if host is not None else cfg.server.host
-    port = port if port is not None else cfg.server.port
-    logging.basicConfig(
-        level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    app = build_app(cfg)  # checks every model against the zoo before anything listens
+    """Serve until SIGINT or SIGTERM. Returns the exit code: 0 after a clean shutdown,
+    2 (with one line on stderr, a bad config file included) when serving could not start."""
+    stop_signals: list[int] = []
+
+    def remember(sig: int, _: FrameType | None) -> None:
+        # Before uvicorn runs: a stop request is acted on when start-up gets there. After:
+        # uvicorn re-raises the signal it shut down for, which must not kill us now.
+        stop_signals.append(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, remember)
+
+    server: _Serving | None = None
     try:
-        sock = bind(host, port)
-    except OSError as e:
-        log.error("cannot listen on %s:%d: %s", host, port, e)
-        return 1
-    bound_port = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host
-    names = ", ".join(m.name for m in cfg.models)
-    log.info(
-        "dstack serving http://%s:%d (policy %s, models %s); ready at /v2/health/ready",
-        shown,
-        bound_port,
-        cfg.policy.value,
-        names,
-    )
-    server = make_server(app, log_level=cfg.server.log_level)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        # uvicorn shuts down gracefully (lifespan included), then re-raises Ctrl-C.
-        pass
-    finally:
-        sock.close()
+        cfg = load_config(config_path)
+        logging.basicConfig(level=cfg.server.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        host = host if host is not None else cfg.server.host
+        port = port if port is not None else cfg.server.port
+        token = load_token(cfg.server)
+        try:
+            sock = bind(host, port)
+        except OSError as e:
+            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        bound_port = sock.getsockname()[1]
+        _warn_if_exposed(sock.getsockname()[0], token)
+        _check_tls_files(cfg.server)  # before the slow imports: fail fast
+
+        from dstack.runtime.serving import Runtime  # heavy (torch)
+
+        runtime = Runtime(cfg)  # checks every model against the zoo
+        app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
+        config = server_config(app, cfg.server)
+        scheme = "https" if cfg.server.tls_certfile else "http"
+        shown = f"[{host}]" if ":" in host else host
+        names = ", ".join(m.name for m in cfg.models)
+
+        def ready() -> None:
+            log.info("dstack serving %s://%s:%d (policy %s, models %s); ready at "
+                     "/v2/health/ready", scheme, shown, bound_port, cfg.policy.value, names)
+
+        server = _Serving(config, runtime, ready)
+        server.should_exit = bool(stop_signals)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            sock.close()
+    except Exception as e:  # noqa: BLE001 - any failure before "ready" is a start-up error
+        if server is not None and server.started:
+            raise  # not a start-up error: let it show its traceback
+        log.debug("start-up failed", exc_info=True)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
     log.info("dstack stopped")
-    return 0 if server.started else 1
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, StartupError | ValueError) else f"{type(e).__name__}: {text}"
+
+
+def _check_tls_files(cfg: ServerConfig) -> None:
+    if cfg.tls_certfile is None:
+        return
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
+    except OSError as e:  # ssl.SSLError is one
+        raise StartupError(f"cannot load server.tls_certfile / tls_keyfile: {e}") from None
+
+
+def _warn_if_exposed(address: str, token: str | None) -> None:
+    if token is None and not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        log.warning("listening on %s without authentication: anyone who can reach it may use "
+                    "it (set server.auth_token_file or DSTACK_AUTH_TOKEN)", address)

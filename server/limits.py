@@ -1,0 +1,143 @@
+"""Request bodies at the ASGI level: a size limit (413) and a memory budget shared by all
+requests (503 + Retry-After), both decided before the body is read when Content-Length
+says enough; and refusals that let the client finish sending, so that it reads them.
+
+A client that is answered before it has sent its whole body (urllib, requests and
+tritonclient send the body first and read after) sees a connection reset when the server
+closes on unread bytes. `refuse` therefore answers, then reads and drops what the client
+still sends (up to a bound), then closes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyBudget:
+    """Bytes of request bodies held in memory at once, across all requests (one event
+    loop: no lock needed)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+
+    def take(self, n: int) -> bool:
+        if self.used_bytes + n > self.limit_bytes:
+            return False
+        self.used_bytes += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used_bytes -= n
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v  # type: ignore[no-any-return]
+    return None
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
+                 headers: Iterable[tuple[bytes, bytes]] = (), drain_bytes: int = 0) -> None:
+    """Answer `{"error": message}` with `status` and close the connection, after reading and
+    dropping up to `drain_bytes` of the request body the client is still sending (a client
+    that stalls meanwhile is cut by the connection's body timeout)."""
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    # With `Expect: 100-continue` the client waits for our word and sends nothing: no drain.
+    left = 0 if _header(scope, b"expect") else drain_bytes
+    while left > 0:
+        msg = await receive()
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            break
+        left -= len(msg.get("body", b""))
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class BodyLimits:
+    """Reads each request's body before the app runs, within `max_body_bytes` and the
+    shared `budget`, and hands it to the app whole; the budget is given back when the app
+    has answered."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, budget: BodyBudget,
+                 retry_after_s: int = 1) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.budget = budget
+        self.retry_after = (b"retry-after", str(retry_after_s).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is None and _header(scope, b"transfer-encoding") is None:
+            await self.app(scope, receive, send)  # no body
+            return
+        declared = int(length) if length is not None and length.isdigit() else 0
+        if declared > self.max_body_bytes:
+            await self._too_large(scope, receive, send, f"{declared} bytes")
+            return
+        if not self.budget.take(declared):
+            await self._over_budget(scope, receive, send)
+            return
+        taken = declared
+        try:
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return  # nobody left to answer
+                chunk = msg.get("body", b"")
+                total += len(chunk)
+                if total > self.max_body_bytes:
+                    await self._too_large(scope, receive, send, "more")
+                    return
+                if total > taken:  # chunked (or longer than declared): count as it comes
+                    if not self.budget.take(total - taken):
+                        await self._over_budget(scope, receive, send)
+                        return
+                    taken = total
+                if chunk:
+                    chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    break
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            del chunks
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.budget.give(taken)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        await refuse(scope, receive, send, 413,
+                     f"request body of {size} exceeds the limit of {self.max_body_bytes} bytes",
+                     drain_bytes=self.max_body_bytes)
+
+    async def _over_budget(self, scope: Scope, receive: Receive, send: Send) -> None:
+        b = self.budget
+        await refuse(scope, receive, send, 503,
+                     f"server busy: request bodies in flight use {b.used_bytes} of "
+                     f"{b.limit_bytes} bytes (server.body_budget_bytes); retry later",
+                     headers=[self.retry_after], drain_bytes=self.max_body_bytes)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that gives `body` once, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed

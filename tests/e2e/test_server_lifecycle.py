@@ -1,0 +1,138 @@
+"""Start-up failures and shutdown of a real `dstack serve` process: a start-up error is one
+line on stderr and exit code 2, with nothing saying ready; SIGTERM and SIGINT both drain
+the requests in flight and exit 0, and an upload still arriving does not hold them up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.e2e.server_process import ROOT, TINY, ServerProcess, launch, wait_ready
+
+LONG_S = 60  # grace and body timeout: far longer than the test may wait for an exit
+INFER = "/v2/models/tiny_cnn/infer"
+
+
+def _infer_json() -> bytes:
+    return json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                                   "data": [0.5] * 3072}]}).encode()
+
+
+def _post_in_thread(srv: ServerProcess, out: list) -> threading.Thread:
+    def run() -> None:
+        req = urllib.request.Request(f"http://{srv.url}{INFER}", data=_infer_json(),
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                out.append((r.status, json.loads(r.read())))
+        except Exception as e:  # noqa: BLE001 - the test reports what happened
+            out.append((0, repr(e)))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sigterm_and_sigint_drain_and_exit_0(tmp_path: Path) -> None:
+    # A batch waits up to 1.5 s for company: a lone request is in flight for that long.
+    slow = {**TINY, "max_queue_delay_ms": 1500}
+    cfg = {"policy": "shared", "models": [slow],
+           "server": {"shutdown_grace_s": LONG_S, "body_timeout_s": LONG_S}}
+    servers: dict[signal.Signals, ServerProcess] = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # both start at once
+            (tmp_path / sig.name).mkdir()
+            servers[sig] = launch(cfg, tmp_path / sig.name)
+        for srv in servers.values():
+            wait_ready(srv)
+        for sig, srv in servers.items():
+            results: list = []
+            thread = _post_in_thread(srv, results)
+            upload = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            upload.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 9000\r\n\r\n{{"
+                           .encode())
+            time.sleep(0.5)  # the request is queued, the upload stalled
+            srv.proc.send_signal(sig)
+            raw = upload.recv(4096)
+            upload.close()
+            assert raw.startswith(b"HTTP/1.1 503"), raw  # not held until the grace ends
+            assert "shutting down" in json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+            thread.join(30)
+            assert results and results[0][0] == 200, (results, srv.text())
+            assert len(results[0][1]["outputs"][0]["data"]) == 10
+            code = srv.stop(sig, timeout_s=LONG_S / 2)  # waits; signal already sent
+            assert code == 0, srv.text()
+            assert "dstack stopped" in srv.text()
+    finally:
+        for srv in servers.values():
+            srv.kill()
+
+
+def _free_port_in_use() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def _fail_to_start(args: list[str], cfg_text: str, tmp: Path,
+                   env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    tmp.mkdir()
+    (tmp / "deploy.yaml").write_text(cfg_text)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dstack.cli", "serve", "--config", str(tmp / "deploy.yaml"),
+         *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def test_start_up_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    busy = _free_port_in_use()
+    port = busy.getsockname()[1]
+    tiny = "models: [{name: tiny_cnn, slo_ms: 10000}]\n"
+    (tmp_path / "token").write_text("t\n")
+    cases = {  # name: (extra args, config, env, a word the error line must contain)
+        "no profiles dir": ([], "policy: dstack\nprofiles: nowhere\n" + tiny, None,
+                            "no such profile directory"),
+        "port in use": (["--host", "127.0.0.1", "--port", str(port)], tiny, None,
+                        "cannot listen"),
+        "token file missing": ([], "server: {auth_token_file: nope.txt}\n" + tiny, None,
+                               "auth_token_file"),
+        "token twice": ([], f"server: {{auth_token_file: {tmp_path / 'token'}}}\n" + tiny,
+                        {"DSTACK_AUTH_TOKEN": "x"}, "DSTACK_AUTH_TOKEN"),
+        # on 0.0.0.0 without a token: a warning, then the error (nothing is served)
+        "tls cert missing": (["--host", "0.0.0.0"], "server: {port: 0, tls_certfile: c.pem, "
+                             "tls_keyfile: k.pem}\n" + tiny, None, "tls"),
+        "bad config value": ([], "server: {max_connections: 0}\n" + tiny, None,
+                             "max_connections"),
+        "unknown model": ([], "server: {port: 0}\nmodels: [{name: no_such_model}]\n", None,
+                          "no_such_model"),
+    }
+    procs = {name: _fail_to_start(args, cfg, tmp_path / name.replace(" ", "_"), env)
+             for name, (args, cfg, env, _) in cases.items()}
+    stderr: dict[str, str] = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            stderr[name] = err
+            errors = [line for line in err.splitlines() if "error" in line.lower()]
+            assert proc.returncode == 2, (name, err)
+            assert len(errors) == 1 and errors[0].startswith("error: "), (name, err)
+            assert cases[name][3].lower() in errors[0].lower(), (name, errors)
+            assert "Traceback" not in err and "serving" not in out + err, (name, err)
+        assert "WARNING" in stderr["tls cert missing"]
+        assert "without authentication" in stderr["tls cert missing"]
+    finally:
+        busy.close()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+

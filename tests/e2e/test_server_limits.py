@@ -1,0 +1,234 @@
+"""Read timeouts, the connection cap, body size and budget limits and bearer auth, each
+checked against a real `dstack serve` process (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e.server_process import TINY, ServerProcess, launch, wait_ready
+
+TOKEN = "e2e-secret-token-4f1c"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MAX_BODY = 256 * 1024
+BUDGET = 512 * 1024
+HEADER_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 3
+MAX_CONNECTIONS = 40
+INFER = "/v2/models/tiny_cnn/infer"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("limits")
+    (tmp / "token").write_text(TOKEN + "\n")
+    s = launch({"policy": "shared", "models": [TINY], "server": {
+        "max_body_bytes": MAX_BODY, "body_budget_bytes": BUDGET,
+        "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S,
+        "max_connections": MAX_CONNECTIONS, "auth_token_file": "token"}}, tmp)
+    try:
+        yield wait_ready(s)
+    finally:
+        s.kill()
+
+
+def _connect(srv: ServerProcess, timeout_s: float = 10) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout_s)
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes (b"" for a bare close)."""
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def _json_body(raw: bytes) -> dict:
+    return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+def _infer_json() -> bytes:
+    return json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                                   "data": [0.5] * 3072}]}).encode()
+
+
+def _post(srv: ServerProcess, body: bytes, headers: dict[str, str] | None = None,
+          ) -> tuple[int, dict, dict]:
+    """A plain urllib POST: it sends the whole body before it reads anything."""
+    req = urllib.request.Request(f"http://{srv.url}{INFER}", data=body,
+                                 headers={**AUTH, **(headers or {})}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def _serves(srv: ServerProcess) -> bool:
+    status, payload, _ = _post(srv, _infer_json())
+    return status == 200 and len(payload["outputs"][0]["data"]) == 10
+
+
+def _settled_fds(srv: ServerProcess) -> int:
+    time.sleep(0.3)  # connections of earlier requests finish closing
+    return srv.fds()
+
+
+def test_half_sent_headers_are_closed_within_the_header_timeout(srv: ServerProcess) -> None:
+    before = _settled_fds(srv)
+    stalled = []
+    for _ in range(MAX_CONNECTIONS // 2):
+        s = _connect(srv)
+        s.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Le".encode())
+        stalled.append(s)
+    try:
+        assert _serves(srv), "normal traffic must go on during the slowloris"
+        assert srv.fds() >= before + len(stalled)
+        for s in stalled:  # closed by the server (recv returns), not by our 10 s timeout
+            assert _read_all(s) == b""
+        deadline = time.monotonic() + 10
+        while srv.fds() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.fds() <= before
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_an_idle_connection_that_never_sends_is_closed(srv: ServerProcess) -> None:
+    with _connect(srv) as s:
+        assert _read_all(s) == b""
+
+
+def test_connections_over_the_cap_are_answered_503_at_once(srv: ServerProcess) -> None:
+    held = [_connect(srv) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # let the server accept them all
+        with _connect(srv, timeout_s=HEADER_TIMEOUT_S / 2) as extra:
+            raw = _read_all(extra)  # before any header timeout: the cap, not the timer
+        assert raw.startswith(b"HTTP/1.1 503"), raw
+        assert b"retry-after: 1" in raw.lower()
+        assert "connections" in _json_body(raw)["error"]
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while not _serves(srv) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _serves(srv)
+
+
+def test_a_stalled_upload_gets_a_json_408_and_is_closed(srv: ServerProcess) -> None:
+    with _connect(srv) as s:
+        s.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                  f"Content-Length: 5000\r\n\r\n{{\"inputs\": ".encode())
+        raw = _read_all(s)
+    assert raw.startswith(b"HTTP/1.1 408"), raw
+    assert "stalled" in _json_body(raw)["error"]
+    assert _serves(srv)
+
+
+@pytest.mark.parametrize("size", [MAX_BODY + 1, 4 * MAX_BODY])
+def test_a_client_sending_a_body_over_the_limit_reads_the_413(
+        srv: ServerProcess, size: int) -> None:
+    status, payload, _ = _post(srv, b"x" * size)  # urllib: would see a reset before
+    assert status == 413 and "limit" in payload["error"]
+    assert _serves(srv)
+
+
+def test_a_chunked_body_over_the_limit_gets_413(srv: ServerProcess) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    chunks = (b"x" * 65536 for _ in range(2 * MAX_BODY // 65536))
+    conn.request("POST", INFER, body=chunks, encode_chunked=True,
+                 headers={**AUTH, "Transfer-Encoding": "chunked"})
+    r = conn.getresponse()
+    assert r.status == 413 and "limit" in json.loads(r.read())["error"]
+    conn.close()
+
+
+def _start_upload(srv: ServerProcess, length: int, body: bytes = b"") -> socket.socket:
+    s = _connect(srv)
+    s.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+              f"Content-Length: {length}\r\n\r\n".encode() + body)
+    return s
+
+
+def test_bodies_over_the_budget_get_503_with_retry_after_before_being_read(
+        srv: ServerProcess) -> None:
+    # Two uploads in progress hold 2 x 240 KiB of the 512 KiB budget.
+    holders = [_start_upload(srv, 240 * 1024) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        # Content-Length above what is left: refused from the header alone (no body sent).
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=BODY_TIMEOUT_S / 2)
+        conn.putrequest("POST", INFER)
+        for k, v in {**AUTH, "Content-Length": str(64 * 1024)}.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        r = conn.getresponse()
+        payload = json.loads(r.read())
+        assert r.status == 503 and r.getheader("Retry-After") == "1", payload
+        assert "body_budget_bytes" in payload["error"]
+        conn.close()
+        # A chunked body is counted as it arrives.
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=BODY_TIMEOUT_S / 2)
+        conn.request("POST", INFER, body=(b"x" * 16384 for _ in range(4)),
+                     headers={**AUTH, "Transfer-Encoding": "chunked"}, encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == 503 and r.getheader("Retry-After") == "1"
+        conn.close()
+        # Small bodies that still fit are served.
+        assert _serves(srv)
+    finally:
+        for s in holders:
+            s.close()
+    # The holders' budget comes back once the server sees them go.
+    deadline = time.monotonic() + 10
+    status = 0
+    while time.monotonic() < deadline and status != 400:
+        status, _, _ = _post(srv, b"x" * (MAX_BODY - 1))  # not JSON: 400, after being read
+    assert status == 400
+
+
+def test_requests_without_the_token_get_401_and_health_stays_open(srv: ServerProcess) -> None:
+    assert srv.get("/v2/health/ready") == 200 and srv.get("/v2/health/live") == 200
+    assert srv.get("/metrics") == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                    {"Authorization": f"Basic {TOKEN}"}):
+        req = urllib.request.Request(f"http://{srv.url}/v2/models/tiny_cnn", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 401
+        assert e.value.headers["WWW-Authenticate"].startswith("Bearer")
+        body = e.value.read().decode()
+        assert "error" in json.loads(body) and TOKEN not in body
+    assert srv.get("/v2/models/tiny_cnn", {"Authorization": f"bearer {TOKEN}"}) == 200
+    # a body sent without the token is drained: the client reads its 401, not a reset
+    status, payload, _ = _post(srv, b"x" * MAX_BODY, headers={"Authorization": "Bearer no"})
+    assert status == 401 and "error" in payload
+
+
+def test_tritonclient_with_the_token(srv: ServerProcess) -> None:
+    client = httpclient.InferenceServerClient(srv.url)
+    x = np.ones((2, 3, 32, 32), np.float32)
+    inp = httpclient.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = client.infer("tiny_cnn", [inp], headers=AUTH).as_numpy("output")
+    assert out.shape == (2, 10)
+    assert client.is_server_ready()  # open path
+    with pytest.raises(InferenceServerException, match="unauthorized"):
+        client.infer("tiny_cnn", [inp])
+    client.close()
+
