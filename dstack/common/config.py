@@ -26,6 +26,13 @@ class PolicyName(StrEnum):
     DSTACK = "dstack"
 
 
+class Batching(StrEnum):
+    """How policies `shared` and `spatial` decide a batch is ready (`batching:`)."""
+
+    WINDOW = "window"  # wait at most max_queue_delay_ms from the first queued request
+    RATE = "rate"  # wait for b* = k*c / (1 - t*c) items (Zhang et al. 2019)
+
+
 class DeviceKind(StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
@@ -91,6 +98,11 @@ class ModelConfig(_Strict):
     """Largest batch the worker runs; a single request above it is refused (400)."""
     max_queue_delay_ms: Annotated[float, Field(ge=0)] = 2.0
     """Dynamic batching: wait at most this long from the first queued request for more."""
+    batching: Batching = Batching.WINDOW
+    """Policies shared and spatial: `window` waits up to `max_queue_delay_ms` for more
+    requests; `rate` waits for b* = k*c / (1 - t*c) items, from the measured arrival rate c
+    and the fitted batch latency k + t*b, capped so that L(b) <= slo_ms / 2 and by
+    max_batch_size (the window until a rate is measured). temporal and dstack ignore it."""
     max_queue: Annotated[int, Field(ge=1)] = 1024
     """Bounded queue: requests beyond this many waiting are refused (429)."""
     rate_rps: Annotated[float, Field(ge=0)] = 0.0
@@ -162,6 +174,10 @@ class DeployConfig(_Strict):
     rate_headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
     """Policy dstack plans for rate x (1 + rate_headroom): a plan sized for exactly the mean
     rate falls behind on every Poisson burst."""
+    double_buffer: bool = True
+    """Workers get two arena halves: a batch's inputs are written into one while the batch
+    before it computes from the other (on CUDA: from pinned memory, on a copy stream), and
+    the next batch is sent before the last one's outputs are read. False: one half."""
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

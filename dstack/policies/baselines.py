@@ -11,6 +11,9 @@ very same objects on a virtual clock. Nothing here reads a clock, sleeps or does
 | shared   | 100% each, concurrent  | whenever work is queued         | dynamic batching      |
 | spatial  | knee %, scaled to fit  | whenever work is queued         | GSLICE adaptive       |
 | dstack   | planned % (solver)     | its slots in the cycle + reuse  | from the solver       |
+
+`shared` and `spatial` take a model's `batching`: `window` (above) or `rate`, b* from the
+measured arrival rate (`dstack.policies.rate_batching`; the window until a rate is known).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from dataclasses import dataclass, field
 
 import cython
 
-from dstack.common.config import PolicyName
+from dstack.common.config import Batching, PolicyName
 from dstack.common.slices import SliceBackend, SliceSpec
 from dstack.common.types import Plan, Schedule
 from dstack.policies.contract import Decision, Launch, ModelParams, QueueView
 from dstack.policies.latency import LinearLatency
+from dstack.policies.rate_batching import ArrivalRate, RateBatch, rate_batch
 
 # --------------------------------------------------------------------------- batch window
 
@@ -67,6 +71,25 @@ def batch_window(
     return WaitUntil(until)
 
 
+def rate_window(now: float, items: int, head_arrival: float, head_deadline: float | None,
+                rb: RateBatch, latency: LinearLatency) -> TakeNow | WaitUntil:
+    """Take a batch now or wait for more items (`batching: rate`).
+
+    Once b* (`rb.target`) items are queued they go, with any backlog up to `rb.cap`. Until
+    then the oldest request waits for as long as b* items take to arrive at the measured
+    rate (after a drop in load the measured rate lags, and this bounds the wait to what it
+    promises), and never past the moment its deadline needs a batch of b* to start.
+    """
+    if items >= rb.target:
+        return TakeNow(min(items, rb.cap))
+    until = head_arrival + rb.fill_s
+    if head_deadline is not None:
+        until = min(until, head_deadline - latency.estimate_s(rb.target))
+    if now >= until - 1e-9:
+        return TakeNow(items)
+    return WaitUntil(until)
+
+
 def _min_wake(a: float | None, b: float | None) -> float | None:
     if a is None:
         return b
@@ -86,10 +109,32 @@ class SharedPolicy:
     backend: SliceBackend
     latency: Mapping[str, LinearLatency] = field(default_factory=dict)
     name: PolicyName = PolicyName.SHARED
+    # `batching: rate`: each such model's arrival rate, and what the rule said last.
+    rates: dict[str, ArrivalRate] = field(default_factory=dict)
+    rate_batches: dict[str, RateBatch] = field(default_factory=dict)
     concurrent = True  # (a class attribute, not a field)
 
-    def batch_cap(self, model: str) -> int:
+    def window_cap(self, model: str) -> int:
+        """The batch cap of the max-queue-delay window."""
         return self.models[model].max_batch
+
+    def batch_cap(self, model: str) -> int:
+        rb = self.rate_batches.get(model)
+        return self.window_cap(model) if rb is None else rb.cap
+
+    def _rate_batch(self, now: float, q: QueueView) -> RateBatch | None:
+        """`batching: rate`: measure the rate from the view, then b* (None: the window)."""
+        p = self.models[q.model]
+        rate = self.rates.get(q.model)
+        if rate is None:
+            rate = self.rates[q.model] = ArrivalRate()
+        rb = rate_batch(self.latency.get(q.model), rate.update(now, q.arrived), p.slo_s,
+                        p.max_batch)
+        if rb is None:
+            self.rate_batches.pop(q.model, None)
+        else:
+            self.rate_batches[q.model] = rb
+        return rb
 
     def slices(self) -> dict[str, SliceSpec]:
         return {m: self.backend.whole() for m in self.models}
@@ -107,11 +152,16 @@ class SharedPolicy:
         launches: list[Launch] = []
         wake: float | None = None
         for m, q in queues.items():
+            p = self.models[m]
+            rb = self._rate_batch(now, q) if p.batching is Batching.RATE else None
             if q.running or q.items == 0 or q.head_arrival is None:
                 continue
-            p = self.models[m]
-            w = batch_window(now, q.items, q.head_arrival, q.head_deadline,
-                             self.batch_cap(m), p.max_queue_delay_s, self.latency.get(m))
+            lat = self.latency.get(m)
+            if rb is not None and lat is not None:
+                w = rate_window(now, q.items, q.head_arrival, q.head_deadline, rb, lat)
+            else:
+                w = batch_window(now, q.items, q.head_arrival, q.head_deadline,
+                                 self.window_cap(m), p.max_queue_delay_s, lat)
             if isinstance(w, TakeNow):
                 launches.append(Launch(m, w.n))
             else:
@@ -131,7 +181,7 @@ class SharedPolicy:
 @dataclass
 class SpatialPolicy(SharedPolicy):
     """GSLICE-like: each model on its knee slice (scaled to fit), concurrently, with
-    GSLICE's adaptive batch size.
+    GSLICE's adaptive batch size (`batching: window`) or b* (`batching: rate`).
 
     Adaptive rule, applied after every batch: a request may wait for the batch before its
     own and then run, so a batch should take at most half the SLO. Over that, shrink by
@@ -149,7 +199,7 @@ class SpatialPolicy(SharedPolicy):
     def slices(self) -> dict[str, SliceSpec]:
         return self.backend.allocate({m: self.knees.get(m, 100.0) for m in self.models})
 
-    def batch_cap(self, model: str) -> int:
+    def window_cap(self, model: str) -> int:
         return self.batch[model]
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:

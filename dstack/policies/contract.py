@@ -11,7 +11,7 @@ from typing import Protocol
 
 import cython
 
-from dstack.common.config import PolicyName
+from dstack.common.config import Batching, PolicyName
 from dstack.common.slices import SliceSpec
 from dstack.common.types import Plan, Schedule
 from dstack.policies.latency import LinearLatency
@@ -31,6 +31,9 @@ class QueueView:
     head_arrival: float | None  # arrival of the oldest waiting request
     head_deadline: float | None
     running: cython.bint  # its worker is running a batch
+    # Items admitted to its queue since serving began (a count that only grows): a policy
+    # measures the arrival rate from it (`dstack.policies.rate_batching`).
+    arrived: cython.longlong = 0
 
 
 @cython.dataclasses.dataclass(frozen=True)
@@ -56,6 +59,7 @@ class ModelParams:
     max_batch: int
     max_queue_delay_s: float
     slo_s: float
+    batching: Batching = Batching.WINDOW  # shared / spatial: the window or b* (rate)
 
 
 class Policy(Protocol):

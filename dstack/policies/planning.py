@@ -33,7 +33,8 @@ class PolicySetup:
 
 def model_params(cfg: DeployConfig) -> dict[str, ModelParams]:
     return {
-        m.name: ModelParams(m.name, m.max_batch_size, m.max_queue_delay_ms / 1000, m.slo_ms / 1000)
+        m.name: ModelParams(m.name, m.max_batch_size, m.max_queue_delay_ms / 1000, m.slo_ms / 1000,
+                            m.batching)
         for m in cfg.models
     }
 

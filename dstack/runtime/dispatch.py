@@ -188,6 +188,7 @@ class _Model:
     head: cython.Py_ssize_t
     qlen: cython.Py_ssize_t  # tickets queued
     items: cython.longlong  # items queued
+    arrived: cython.longlong  # items ever queued (the policy's QueueView.arrived)
     head_arrival: cython.double  # of the oldest queued ticket (while qlen > 0)
     head_deadline: cython.double
     running = cython.declare(cython.bint, visibility="public")
@@ -215,6 +216,7 @@ class _Model:
         self.head = 0
         self.qlen = 0
         self.items = 0
+        self.arrived = 0
         self.head_arrival = 0.0
         self.head_deadline = 0.0
         self.running = False
@@ -243,6 +245,7 @@ class _Model:
         self.queue.append(t)
         self.qlen += 1
         self.items += t.n
+        self.arrived += t.n
         self.dirty = True
 
     @cython.cfunc
@@ -445,9 +448,9 @@ class _Core:
             st.dirty = False
             if st.qlen:
                 out[st.name] = QueueView(st.name, st.items, st.head_arrival, st.head_deadline,
-                                         st.running)
+                                         st.running, st.arrived)
             else:
-                out[st.name] = QueueView(st.name, 0, None, None, st.running)
+                out[st.name] = QueueView(st.name, 0, None, None, st.running, st.arrived)
         return out
 
     def step(self, now: float, *, blocked: frozenset[str] = frozenset()) -> Step:
@@ -461,7 +464,8 @@ class _Core:
             views = dict(views)
             for name in blocked:
                 v = views[name]
-                views[name] = QueueView(name, v.items, v.head_arrival, v.head_deadline, True)
+                views[name] = QueueView(name, v.items, v.head_arrival, v.head_deadline, True,
+                                        v.arrived)
         try:
             decision = self.policy.decide(now, views)
         except Exception as e:  # noqa: BLE001 - a policy bug must not hang a client

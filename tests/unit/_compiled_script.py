@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import dstack.policies.baselines as baselines
-from dstack.common.config import PolicyName, parse_config
+from dstack.common.config import Batching, PolicyName, parse_config
 from dstack.common.slices import MpsSlices
 from dstack.common.types import load_profiles
 from dstack.policies.contract import ModelParams, Policy, QueueView
@@ -23,7 +23,8 @@ from dstack.simulate import generate, simulate
 def random_policy(rng: random.Random) -> Policy:
     """A compiled baseline (the dstack lane policy is plain Python) over 2-6 models."""
     names = [f"m{i}" for i in range(rng.randint(2, 6))]
-    params = {m: ModelParams(m, 8, rng.choice([0.0, 0.002]), 0.2) for m in names}
+    params = {m: ModelParams(m, 8, rng.choice([0.0, 0.002]), 0.2,
+                             rng.choice([Batching.WINDOW, Batching.RATE])) for m in names}
     kind = rng.choice([PolicyName.SHARED, PolicyName.SPATIAL, PolicyName.TEMPORAL])
     pol = make_policy(kind, params, MpsSlices(),
                       knees={m: rng.choice([10.0, 30.0, 50.0]) for m in names},
@@ -42,6 +43,7 @@ def histories(seeds: int) -> None:
         running: dict[str, float] = {}
         items = dict.fromkeys(names, 0)
         arrived = dict.fromkeys(names, now)
+        total = dict.fromkeys(names, 0)  # items ever queued (QueueView.arrived)
         for step in range(300):
             now += rng.choice([0.0, 1e-9, 0.0004, 0.001, 0.004, 0.02])
             for m in [m for m, end in running.items() if end <= now]:
@@ -51,9 +53,12 @@ def histories(seeds: int) -> None:
                 if rng.random() < 0.3:
                     if items[m] == 0:
                         arrived[m] = now
-                    items[m] += rng.randint(1, 4)
+                    k = rng.randint(1, 4)
+                    items[m] += k
+                    total[m] += k
             views = {m: QueueView(m, items[m], arrived[m] if items[m] else None,
-                                  arrived[m] + 0.2 if items[m] else None, m in running)
+                                  arrived[m] + 0.2 if items[m] else None, m in running,
+                                  total[m])
                      for m in names}
             d = pol.decide(now, views)
             print(seed, step, repr(now), [(x.model, x.max_items, x.reuse) for x in d.launches],
