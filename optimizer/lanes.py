@@ -76,6 +76,9 @@ class LaneModel:
     latency: Latency  # planning latency L(b, p) in ms
     low: bool = False  # low priority: runs only when the lane has nothing else
     grown_rps: float = 0.0  # r_m with the configured headroom (0: the same as r_m)
+    #: workers of its model (replicas, `dstack.policies.replicas`): alone in a lane, a
+    #: request waits for the first of them to be free, about R_l / workers
+    workers: int = 1
 
     @property
     def grown(self) -> float:
@@ -283,8 +286,9 @@ def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
     rnd = sum(lat)
     frac, served, thr = [], [], []
     value = robust = grown = 0.0
+    wait = rnd / ms[0].workers if len(ms) == 1 else rnd
     for m, b, lm in zip(ms, caps, lat, strict=True):
-        f = min(1.0, max(0.0, (m.slo_ms - lm) / rnd)) if rnd > 0 else 0.0
+        f = min(1.0, max(0.0, (m.slo_ms - lm) / wait)) if rnd > 0 else 0.0
         t = 1000.0 * b / rnd if rnd > 0 else 0.0
         frac.append(f)
         thr.append(t)

@@ -10,6 +10,7 @@ served below its planned rate is named.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from dstack.common.config import DeployConfig
 from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend
@@ -24,6 +25,7 @@ from dstack.common.types import (
 )
 from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.lane_policy import Lane, LanePlan
+from dstack.policies.replicas import public_name
 from optimizer.lanes import (
     LaneChoice,
     LaneInstance,
@@ -32,6 +34,7 @@ from optimizer.lanes import (
     candidate_batches,
     capped,
     planning_latency,
+    score_lane,
     solve_lanes,
 )
 
@@ -56,15 +59,11 @@ def lane_widths(backend: SliceBackend, profiles: dict[str, Profile]) -> tuple[fl
     return tuple(sorted(pcts))
 
 
-def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBackend | None,
-               rates: dict[str, float] | None = None, *,
-               margin: float = LATENCY_MARGIN) -> tuple[LanePlan, Schedule, Reference]:
-    """The lane plan, its schedule (lanes side by side, each lane's batches one after
-    another), and the baseline assignments it was compared with."""
-
-    t0 = time.perf_counter()
-    if backend is None:
-        backend = backend_of(profiles)
+def _instance(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBackend,
+              rates: dict[str, float] | None, margin: float
+              ) -> tuple[LaneInstance, list, list[tuple[str, str]], bool]:
+    """The lane search's instance for `cfg` at `rates`: (instance, the served models'
+    configs, the models no lane can serve with why, whether some rate was guessed)."""
     grow = 1.0 + cfg.rate_headroom
     served, unserved = [], []
     for m in cfg.models:
@@ -78,6 +77,7 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
                                      f"serve it"))
             continue
         served.append(m)
+    workers = Counter(public_name(m.name) for m in cfg.models)
     models = []
     guessed = False  # some rate unknown: its guess is no demand to leave a model out for
     for m in served:
@@ -90,8 +90,39 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
         models.append(LaneModel(m.name, m.slo_ms, rate, m.priority.weight,
                                 candidate_batches(prof, m.max_batch_size),
                                 planning_latency(prof, margin=margin),
-                                low=m.priority is Priority.LOW, grown_rps=grow * rate))
-    inst = LaneInstance(tuple(models), lane_widths(backend, profiles))
+                                low=m.priority is Priority.LOW, grown_rps=grow * rate,
+                                workers=workers[public_name(m.name)]))
+    return LaneInstance(tuple(models), lane_widths(backend, profiles)), served, unserved, \
+        guessed
+
+
+def predicted_goodput(plan: LanePlan, cfg: DeployConfig, profiles: dict[str, Profile],
+                      backend: SliceBackend, rates: dict[str, float], *,
+                      margin: float = LATENCY_MARGIN) -> float:
+    """G of `plan`'s lanes and caps (as they are) at `rates`: how well the plan in force
+    would do at the rates measured now, to compare with a re-plan for them."""
+    inst = _instance(cfg, profiles, backend, rates, margin)[0]
+    index = {m.name: i for i, m in enumerate(inst.models)}
+    total = 0.0
+    for lane in plan.lanes:
+        members = [index[n] for n in lane.models if n in index]
+        caps = [c for n, c in zip(lane.models, lane.caps, strict=True) if n in index]
+        if members:
+            total += score_lane(inst, members, lane.percent, caps).value
+    return total
+
+
+def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBackend | None,
+               rates: dict[str, float] | None = None, *,
+               margin: float = LATENCY_MARGIN) -> tuple[LanePlan, Schedule, Reference]:
+    """The lane plan, its schedule (lanes side by side, each lane's batches one after
+    another), and the baseline assignments it was compared with."""
+
+    t0 = time.perf_counter()
+    if backend is None:
+        backend = backend_of(profiles)
+    inst, served, unserved, guessed = _instance(cfg, profiles, backend, rates, margin)
+    models = inst.models
     spatial_w = temporal_caps = None
     if models:
         knees = {m.name: knee_percent(profiles[m.name], m.max_batch_size) for m in served}

@@ -12,10 +12,12 @@ model's rate. The names cannot clash with served names (`#` is not allowed in on
 dispatch core routes each request of `m` to the replica that will start it soonest
 (`dstack.runtime.dispatch`), and counters are summed back per model.
 
-How many: for each model with a known rate, R = the replicas its cheapest SLO-safe
-configuration needs to carry the planned rate (a batch b on a slice p with
-2 L(b, p) <= SLO, so a request that waits for the batch ahead still meets it), at most
-`max_replicas` and what fits on the device. The planner then scores the plan with and
+How many: for each model with a known rate, each configuration (a batch b on a slice p)
+needs R = ceil(r / (1000 b / L(b, p))) workers to carry the planned rate r, at most
+`max_replicas` and what fits on the device (100 / p), and is SLO-safe when
+L (1 + 1/R) <= SLO: a request waits for the first of the R workers to be free (about
+L / R), then runs. Of the safe configurations, the one that serves the most of r, then
+the cheapest per request, gives the model's R. The planner then scores the plan
 with 1 to R workers for each such model (every combination, or fewer values when there
 would be more than `MAX_COMBOS`) and keeps the best; more workers must predict more than
 `REPLICA_GAIN` more goodput.
@@ -89,24 +91,23 @@ def wanted(cfg: DeployConfig, profiles: Mapping[str, Profile],
     out: dict[str, int] = {}
     for m in cfg.models:
         prof = profiles[m.name]
-        best: tuple[float, float, float] | None = None  # (cost, throughput rps, percent)
+        demand = grow * m.rate_rps
+        best: tuple[float, float, int] | None = None  # (served rps, -device-ms a request, R)
         for p in prof.percentages:
             if p < min_percent - 1e-9:
                 continue
             for b in prof.batch_sizes:
-                if b > m.max_batch_size:
-                    continue
                 lat = prof.latency_ms(b, p)
-                if 2 * lat <= m.slo_ms:
-                    cand = (p * lat / b, 1000.0 * b / lat, p)
-                    if best is None or cand[0] < best[0]:
-                        best = cand
-        r = 1
-        if best is not None and m.rate_rps > 0:
-            _, thr, p = best
-            fits = int(100.0 / p + 1e-9)
-            r = max(1, min(math.ceil(grow * m.rate_rps / thr), fits, m.max_replicas))
-        out[m.name] = r
+                if b > m.max_batch_size or lat >= m.slo_ms or demand <= 0:
+                    continue
+                thr = 1000.0 * b / lat
+                r = min(math.ceil(demand / thr), int(100.0 / p + 1e-9), m.max_replicas)
+                if lat * (1 + 1 / r) > m.slo_ms:
+                    continue
+                cand = (min(demand, r * thr), -p * lat / b, r)
+                if best is None or cand > best:
+                    best = cand
+        out[m.name] = best[2] if best is not None else 1
     return out
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dstack.common.config import DeployConfig
+
 
 @dataclass
 class RateTracker:
@@ -19,8 +21,9 @@ class RateTracker:
     _ewma: dict[str, float | None] = field(default_factory=dict)
     _last: float | None = None
 
-    def record(self, model: str, now: float) -> None:
-        self._counts[model] = self._counts.get(model, 0) + 1
+    def record(self, model: str, now: float, n: int = 1) -> None:
+        """`n` arrivals of `model` at `now`."""
+        self._counts[model] = self._counts.get(model, 0) + n
         if self._last is None:
             self._last = now
 
@@ -89,3 +92,13 @@ class ReplanTrigger:
         self._last_plan = now
         self._streak = 0
         self._down_since = None
+
+
+def tracker_for(cfg: DeployConfig) -> RateTracker:
+    return RateTracker([m.name for m in cfg.models], alpha=cfg.adapt.ewma_alpha)
+
+
+def trigger_for(cfg: DeployConfig) -> ReplanTrigger:
+    """The trigger of `cfg.adapt`, starting from the configured rates."""
+    return ReplanTrigger({m.name: m.rate_rps for m in cfg.models}, drift=cfg.adapt.drift,
+                         hold_s=cfg.adapt.hold_s, down_hold_s=cfg.adapt.down_hold_s)

@@ -3,8 +3,9 @@
 Demand is what arrives, not what was answered: every request is counted at arrival,
 refused ones included (`RateTracker.record` is called before admission), so a closed
 loop or a burst that the current plan refuses still grows the next plan. The solve
-(`dstack.policies.planning.setup_policy`: CBC for up to its time limit) runs in a worker
-thread; HTTP, health checks and dispatch go on meanwhile. The new policy is handed over
+(`dstack.policies.planning.replan`: the lane search, taken only when it predicts more
+than the plan in force for the measured rates) runs in a worker thread; HTTP, health
+checks and dispatch go on meanwhile. The new policy is handed over
 by the runtime in one step on the event loop, after its shadow workers are ready.
 """
 
@@ -16,8 +17,8 @@ from collections.abc import Awaitable, Callable
 
 from dstack.common.config import DeployConfig
 from dstack.common.slices import SliceBackend
-from dstack.policies.planning import PolicySetup, setup_policy
-from dstack.runtime.adapt import RateTracker, ReplanTrigger
+from dstack.policies.planning import PolicySetup, replan
+from dstack.runtime.adapt import tracker_for, trigger_for
 
 log = logging.getLogger("dstack.runtime.replanner")
 
@@ -28,16 +29,14 @@ class Replanner:
 
     def __init__(self, cfg: DeployConfig, slices: SliceBackend,
                  apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
-                 clock: Callable[[], float], *, replicas: dict[str, int] | None = None) -> None:
+                 clock: Callable[[], float], setup: PolicySetup) -> None:
         self.cfg = cfg
-        self.replicas = replicas  # workers per model: a re-plan keeps them
+        self.setup = setup  # the plan in force
         self.slices = slices
         self._apply = apply
         self._clock = clock
-        self.rates = RateTracker([m.name for m in cfg.models], alpha=cfg.adapt.ewma_alpha)
-        self.trigger = ReplanTrigger(
-            {m.name: m.rate_rps for m in cfg.models}, drift=cfg.adapt.drift,
-            hold_s=cfg.adapt.hold_s, down_hold_s=cfg.adapt.down_hold_s)
+        self.rates = tracker_for(cfg)
+        self.trigger = trigger_for(cfg)
         self.replans = 0
         self.busy = False
 
@@ -58,10 +57,14 @@ class Replanner:
         kept) when the solve or the hand-over failed; the reason is logged."""
         self.busy = True
         try:
-            setup = await asyncio.to_thread(
-                setup_policy, self.cfg, self.slices, origin=self._clock(), rates=rates,
-                replicas=self.replicas)
+            setup = await asyncio.to_thread(replan, self.cfg, self.slices, self.setup,
+                                            origin=self._clock(), rates=rates)
+            if setup is None:  # the plan in force predicts as much for these rates
+                self.trigger.planned(self._clock(), rates)
+                log.debug("re-plan for %s kept the plan in force", rates)
+                return False
             await self._apply(setup, rates)
+            self.setup = setup
         except Exception:
             log.exception("re-plan failed; keeping the current plan")
             return False

@@ -19,6 +19,11 @@ what this module adds is time and the device:
 - **Completion.** Every request of the batch is answered at its end; its latency is
   end - arrival, within SLO when end <= deadline (the core counts it). The batch's elapsed
   time feeds the model's latency estimate and the policy, as in the server.
+- **Re-planning.** With a `replanner` (the `dstack` policy with `adapt` on), every
+  `adapt.sample_s` while requests arrive it sees the arrivals so far; a new plan takes
+  effect at once: the core gets the new policy, each worker its new slice (batches
+  already running finish on the old one). The server first starts shadow workers for
+  the changed slices, so there the switch comes seconds later.
 - **End.** Arrivals stop at `duration_s`; the loop then drains: queued requests are served
   or refused, so every request is accounted for exactly once.
 
@@ -34,6 +39,7 @@ import math
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import cython
 
@@ -83,20 +89,36 @@ class RunResult:
     busy_integral: float  # integral of min(S, 100)/100 over [0, duration)
     decisions: int
     timeline: list[BatchSpan] = field(default_factory=list)
+    replans: int = 0
+
+
+class Replanner(Protocol):
+    """Re-planning on the virtual clock (`dstack.simulate.simulation` makes the server's).
+    `sample` is called every `period_s` while requests arrive, with how many arrived so far
+    per served model; it returns the new policy, each worker's new slice percent and
+    latency table (seconds, b = 0..max_batch), and estimates for the core, or None."""
+
+    period_s: float
+
+    def sample(self, now: float, arrived: list[int]) -> tuple[
+            Policy, dict[str, tuple[float, list[float]]], dict[str, LinearLatency]] | None: ...
 
 
 def run(policy: Policy, models: Sequence[SimModel], times: Sequence[float],
         model_idx: Sequence[int], duration_s: float, *,
         estimates: dict[str, LinearLatency] | None = None,
         timeline_s: float = 0.0, served: Sequence[str] | None = None,
-        groups: Mapping[str, Sequence[str]] | None = None) -> RunResult:
+        groups: Mapping[str, Sequence[str]] | None = None,
+        replanner: Replanner | None = None) -> RunResult:
     """Drive `policy` through the arrivals (sorted `times`, with `model_idx` into
     `served`, default the models' names) on a virtual clock; see the module docstring for
     the semantics. `estimates`: the latency estimates the core starts from (as the
     server's planning seeds them). `groups`: served model -> its replicas among `models`
-    (the core routes each arrival to one); counts are per served model."""
-    return _Loop(policy, models, duration_s, timeline_s, estimates, served, groups).run(
-        array("d", times), array("i", model_idx))
+    (the core routes each arrival to one); counts are per served model. `replanner`:
+    re-plans while requests arrive (a new plan takes effect at once; running batches
+    finish on their old slices)."""
+    return _Loop(policy, models, duration_s, timeline_s, estimates, served, groups,
+                 replanner).run(array("d", times), array("i", model_idx))
 
 
 @cython.cclass
@@ -204,11 +226,16 @@ class _Loop:
     n_lat: cython.Py_ssize_t
     wake: cython.double
     decisions: cython.longlong
+    replanner: object  # Replanner or None
+    next_sample: cython.double
+    arrived: cython.longlong[:]  # per served model, so far
+    replans: cython.int
 
     def __init__(self, policy: Policy, models: Sequence[SimModel], duration_s: float,
                  timeline_s: float, estimates: dict[str, LinearLatency] | None,
                  served: Sequence[str] | None,
-                 groups: Mapping[str, Sequence[str]] | None) -> None:
+                 groups: Mapping[str, Sequence[str]] | None,
+                 replanner: Replanner | None) -> None:
         self.names = [m.name for m in models]
         self.served = list(served) if served is not None else self.names
         self.tables = [m.latency_s for m in models]
@@ -225,6 +252,10 @@ class _Loop:
         self.n_lat = 0
         self.wake = INF
         self.decisions = 0
+        self.replanner = replanner
+        self.next_sample = INF if replanner is None else replanner.period_s
+        self.arrived = array("q", [0] * len(self.served))
+        self.replans = 0
 
     @cython.cfunc
     def step(self, now: cython.double) -> cython.void:
@@ -263,6 +294,23 @@ class _Loop:
             self.timeline.append(BatchSpan(b.model, started, now, self.pct[j], b.n, b.reuse))
         self.step(now)
 
+    @cython.cfunc
+    def replan(self, now: cython.double) -> cython.void:
+        j: cython.Py_ssize_t
+        self.next_sample = now + self.replanner.period_s
+        got = self.replanner.sample(now, list(self.arrived))
+        if got is None:
+            return
+        policy, workers, estimates = got
+        for j in range(len(self.names)):
+            w = workers.get(self.names[j])
+            if w is not None:
+                self.pct[j] = w[0]
+                self.tables[j] = w[1]
+        self.core.set_policy(policy, now, estimates)
+        self.replans += 1
+        self.step(now)
+
     def run(self, times: cython.double[:], model_idx: cython.int[:]) -> RunResult:
         core = self.core
         device: _Device = self.device
@@ -272,6 +320,7 @@ class _Loop:
         i: cython.Py_ssize_t = 0
         j: cython.int
         ta: cython.double
+        ts: cython.double
         now: cython.double
         self.lat_out = array("d", bytes(8 * n_arr))  # cut to those served below
         self.lat_buf = self.lat_out
@@ -279,18 +328,22 @@ class _Loop:
             ta = times[i] if i < n_arr else INF
             if ta == INF and self.n_running == 0 and core.queued == 0:
                 break
-            if device.t_fin <= ta and device.t_fin <= self.wake:
+            ts = self.next_sample if ta < INF else INF  # re-plans while requests arrive
+            if device.t_fin <= ta and device.t_fin <= self.wake and device.t_fin <= ts:
                 self.complete(device.t_fin)
-            elif ta <= self.wake:
+            elif ta <= self.wake and ta <= ts:
                 j = model_idx[i]
                 i += 1
+                self.arrived[j] += 1
                 got = admit(served[j], 1, ta)
                 if isinstance(got, Ticket) and self.batches[got.model] is None:
                     self.step(ta)
-            elif self.wake < INF:
+            elif self.wake <= ts and self.wake < INF:
                 now = self.wake
                 self.wake = INF
                 self.step(now)
+            elif ts < INF:
+                self.replan(ts)
             else:  # requests queued but nothing will ever move them: cannot happen (doom)
                 raise AssertionError("simulator stalled with requests queued")
         end_s: cython.double = device.last
@@ -305,4 +358,5 @@ class _Loop:
             busy_integral=device.busy,
             decisions=self.decisions,
             timeline=self.timeline,
+            replans=self.replans,
         )

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from dstack.common.config import ConfigError, DeployConfig, PolicyName
 from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend
 from dstack.common.types import Profile
-from dstack.policies.planning import setup_policy
+from dstack.policies.contract import Policy
+from dstack.policies.latency import LinearLatency
+from dstack.policies.planning import PolicySetup, replan, setup_policy
 from dstack.policies.replicas import replica_groups
+from dstack.runtime.adapt import tracker_for, trigger_for
 from dstack.simulate.engine import RunResult, SimModel, run
 from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
 from dstack.simulate.latency import latency_table_s
@@ -27,6 +30,42 @@ class Simulation:
     fluid_rps: float  # the bound for the nominal rates
     costs_s: dict[str, float]  # device-seconds per request at best, per model
     wall_s: dict[str, tuple[float, float]]  # policy -> (setup incl. solve, event loop)
+
+
+class SimReplanner:
+    """The server's re-planning (`dstack.runtime.replanner`) on the virtual clock: the same
+    rate tracker, trigger and `replan`, with the workers (replicas) it started with."""
+
+    def __init__(self, cfg: DeployConfig, backend: SliceBackend,
+                 profiles: Mapping[str, Profile], setup: PolicySetup) -> None:
+        self.cfg, self.backend, self.profiles, self.setup = cfg, backend, profiles, setup
+        self.period_s = cfg.adapt.sample_s
+        self.names = [m.name for m in cfg.models]
+        self.rates = tracker_for(cfg)
+        self.rates.sample(0.0)  # the first window starts at 0
+        self.trigger = trigger_for(cfg)
+        self.seen = [0] * len(self.names)
+
+    def sample(self, now: float, arrived: list[int]) -> tuple[
+            Policy, dict[str, tuple[float, list[float]]], dict[str, LinearLatency]] | None:
+        for k, name in enumerate(self.names):
+            self.rates.record(name, now, arrived[k] - self.seen[k])
+        self.seen = list(arrived)
+        rates = self.rates.sample(now)
+        if not self.trigger.should_replan(now, rates):
+            return None
+        setup = replan(self.cfg, self.backend, self.setup, origin=now, rates=rates,
+                       profiles=dict(self.profiles))
+        self.trigger.planned(now, rates)
+        if setup is None:  # the plan in force is as good for these rates
+            return None
+        self.setup = setup
+        slices = setup.policy.slices()
+        workers = {m.name: (slices[m.name].percent,
+                            latency_table_s(setup.profiles[m.name], slices[m.name].percent,
+                                            m.max_batch_size))
+                   for m in setup.run_cfg.models}
+        return setup.policy, workers, setup.estimates
 
 
 def backend_for(profiles: Mapping[str, Profile]) -> SliceBackend:
@@ -82,10 +121,13 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
                                      m.max_batch_size))
             for m in setup.run_cfg.models
         ]
+        replanner = None
+        if pcfg.policy is PolicyName.DSTACK and pcfg.adapt.enabled:
+            replanner = SimReplanner(pcfg, backend, profiles, setup)
         t1 = time.perf_counter()
         r = run(setup.policy, models, times, idx, duration_s, estimates=setup.estimates,
                 timeline_s=timeline_s, served=[m.name for m in cfg.models],
-                groups=replica_groups(setup.replicas))
+                groups=replica_groups(setup.replicas), replanner=replanner)
         wall[str(name)] = (t1 - t0, time.perf_counter() - t1)
         results[str(name)] = r
         reports.append(summarise(str(name), r, ideal))

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import dstack.runtime.replanner as replanner_mod
-from dstack.common.config import parse_config
+from dstack.common.config import DeployConfig, parse_config
 from dstack.common.errors import BackendError
+from dstack.common.slices import SliceBackend
+from dstack.policies.planning import PolicySetup, setup_policy
 from dstack.runtime.messages import BatchDone
 from dstack.runtime.serving import Runtime
 from server.app import create_app
@@ -101,19 +103,18 @@ def test_each_injected_fault_answers_its_requests_with_a_500_and_later_ones_are_
 @pytest.mark.slow
 def test_a_slow_replan_does_not_stall_health_checks_or_requests(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The solve runs off the event loop: while a re-plan takes seconds (a CBC solve of a
-    large mix; here the solve is held for 3 s so that the test does not depend on how
-    hard an instance is for CBC on this machine), /v2/health/live answers within 50 ms
-    and every request is answered."""
+    """The solve runs off the event loop: while a re-plan takes seconds (here the solve is
+    held for 3 s so that the test does not depend on how hard an instance is on this
+    machine), /v2/health/live answers within 50 ms and every request is answered."""
     write_cpu_profiles(tmp_path)
     cfg = parse_config(config("dstack", tmp_path, slo_ms=3000))
-    real_setup = replanner_mod.setup_policy
+    def slow_replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *,
+                    origin: float, rates: dict[str, float]) -> PolicySetup:
+        time.sleep(3.0)  # blocks the thread it runs in, as a long solve does
+        return setup_policy(cfg, backend, origin=origin, rates=rates,
+                            replicas=current.replicas)  # taken, whatever it predicts
 
-    def slow_setup(*a: object, **kw: object) -> object:
-        time.sleep(3.0)  # blocks the thread it runs in, as a long CBC solve does
-        return real_setup(*a, **kw)
-
-    monkeypatch.setattr(replanner_mod, "setup_policy", slow_setup)
+    monkeypatch.setattr(replanner_mod, "replan", slow_replan)
 
     async def main() -> tuple[list[float], list[object], int]:
         rt = Runtime(cfg)
@@ -122,7 +123,8 @@ def test_a_slow_replan_does_not_stall_health_checks_or_requests(
         transport = httpx.ASGITransport(app=app)
         try:
             from dstack.runtime.replanner import Replanner
-            rep = Replanner(cfg, rt.slices, rt._hand_over, time.monotonic)  # noqa: SLF001
+            rep = Replanner(cfg, rt.slices, rt._hand_over, time.monotonic,  # noqa: SLF001
+                            rt.setup)
             replan = asyncio.create_task(rep.replan({m: 40.0 for m in MODELS}))
             live_ms: list[float] = []
             requests = []

@@ -13,9 +13,17 @@ from dstack.common.slices import CpuSlices, MpsSlices
 from dstack.policies.contract import ModelParams, Policy
 from dstack.policies.planning import served_profiles, setup_policy
 from dstack.policies.registry import make_policy
-from dstack.policies.replicas import choose, expand, public_name, replica_names, split_rates
+from dstack.policies.replicas import (
+    choose,
+    expand,
+    public_name,
+    replica_names,
+    split_rates,
+    wanted,
+)
 from dstack.runtime.dispatch import CoreModel, DispatchCore, Refusal, Ticket
 from dstack.simulate import generate, simulate
+from optimizer.lanes import LaneInstance, LaneModel, score_lane
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = ROOT / "profiles" / "nvidia-h100-80gb-hbm3"
@@ -146,3 +154,30 @@ def test_a_replica_left_out_of_the_plan_gets_no_requests() -> None:
     both = replica_core({"a": "left out", "a#1": "left out"})
     r = both.admit("a", 1, 0.0)
     assert isinstance(r, Refusal) and r.reason.value == "unplanned"
+
+
+def test_a_lone_replica_waits_for_the_first_free_worker_not_its_own() -> None:
+    # L = 6 ms, SLO 8 ms: alone, a request may wait out a whole batch (6 + 6 > 8), so only
+    # a third is credited; one of two workers is free after ~3 ms on average (3 + 6 > 8:
+    # two thirds); one of three after ~2 ms (2 + 6 <= 8: all of them). The lane is
+    # saturated (1,000 rps against 667 a worker), so this is the credit the score uses.
+    def lane_model(workers: int) -> LaneModel:
+        return LaneModel("m", 8.0, 1000.0, 1.0, (4,), lambda b, p: 6.0, workers=workers)
+
+    credited = [score_lane(LaneInstance((lane_model(w),), (50.0,)), (0,), 50.0, (4,))
+                .fraction[0] for w in (1, 2, 3)]
+    assert credited == pytest.approx([1 / 3, 2 / 3, 1.0])
+
+
+def test_replica_count_is_the_workers_the_rate_needs_where_the_wait_fits() -> None:
+    # alexnet on the reference V100 at 2,000 rps within 8.2 ms (the suite's m10): batch 8
+    # takes 5.1 ms on 50% (1,569 rps a worker); two of them wait ~2.6 ms: 7.7 ms, safe.
+    cfg = parse_config({
+        "device": "cuda", "policy": "dstack",
+        "profiles": str(ROOT / "profiles" / "reference-v100"), "rate_headroom": 0.2,
+        "models": [{"name": "alexnet", "slo_ms": 8.2, "max_batch_size": 8,
+                    "rate_rps": 2000}]})
+    profiles = served_profiles(cfg, check_device=False)
+    assert wanted(cfg, profiles) == {"alexnet": 2}
+    assert wanted(cfg.model_copy(update={"models": [cfg.models[0].model_copy(
+        update={"rate_rps": 300.0})]}), profiles) == {"alexnet": 1}
