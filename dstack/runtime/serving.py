@@ -205,7 +205,7 @@ class Runtime:
             groups=replica_groups(self.setup.replicas))
         if policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
             self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
-                                       replicas=self.setup.replicas)
+                                       self.setup)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
         self._ready = True
