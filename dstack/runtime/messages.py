@@ -22,7 +22,12 @@ class MsgKind(StrEnum):
 @dataclass(frozen=True, slots=True)
 class RunBatch:
     batch_id: int
-    n: int  # items in the arena's input slot
+    n: int  # items in the arena half's input rows [0, n)
+    half: int = 0  # which half of the arena (`dstack.runtime.shm`)
+    # The first input row the dispatcher wrote after the rows it had already staged (and
+    # counted in the arena header): rows before it have not changed since they were
+    # counted, so a worker that copied them to the device early need not copy them again.
+    fresh_from: int = 0
     kind: MsgKind = MsgKind.RUN
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ from dstack.runtime.dispatch import (
 )
 from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.replanner import Replanner
+from dstack.runtime.shm import Arena
+from dstack.runtime.staging import Stager
 from dstack.runtime.supervisor import Supervisor, passive_models
-from dstack.runtime.worker import WorkerHandle
+from dstack.runtime.worker import WorkerHandle, WorkerState
 
 log = logging.getLogger("dstack.runtime")
 
@@ -168,6 +171,9 @@ class Runtime:
             {m.name: (m, self.specs[m.name]) for m in cfg.models}, self.slices,
             on_change=self._poke, on_failed=self._model_failed)
         self.replanner: Replanner | None = None
+        # Double buffering (`double_buffer`): each worker's arena halves, by worker.
+        self._stagers: weakref.WeakKeyDictionary[WorkerHandle, Stager] = (
+            weakref.WeakKeyDictionary())
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -320,6 +326,9 @@ class Runtime:
         got = core.admit(model, n, now, Request(inputs, fut))
         if not isinstance(got, Ticket):
             raise refusal_error(got.reason, got.message)
+        stager = self._stager(self.supervisor.worker(core.names[got.model]))
+        if stager is not None:
+            stager.add(got)  # its rows go into the next batch's half now
         if not core.running(core.names[got.model]):  # its replica, where it has several
             self._wake.set()
         return await fut
@@ -371,9 +380,15 @@ class Runtime:
                 raise Unavailable(f"model {b.model} has no worker ready")
             # Inputs copied and the batch sent here, in the dispatcher, before the
             # responses of the batch that just ended are written: the worker starts at once.
-            for name, dst in worker.arena.inputs(b.n).items():
-                np.concatenate([_req(t).inputs[name] for t in b.tickets], axis=0, out=dst)
-            fut = worker.submit(b.n)
+            stager = self._stager(worker)
+            half: int | None = None
+            if stager is None:
+                for name, dst in worker.arena.inputs(b.n).items():
+                    np.concatenate([_req(t).inputs[name] for t in b.tickets], axis=0, out=dst)
+                fut = worker.submit(b.n)
+            else:  # most rows are in the half already (staged on arrival)
+                half, fresh_from = stager.launch(b.tickets, b.n)
+                fut = worker.submit(b.n, half, fresh_from)
         except Exception as e:  # noqa: BLE001 - failed like a batch, below
             err = e if isinstance(e, DStackError) else BackendError(
                 f"{b.model}: could not start a batch of {b.n}: {e!r}")
@@ -382,10 +397,26 @@ class Runtime:
             self._fail(core.fail(b, self._clock()), err)
             self._wake.set()
             return
-        self._spawn(self._run_batch(b, worker, fut))
+        self._spawn(self._run_batch(b, worker, fut, half))
+        if stager is not None:
+            stager.restage()  # the requests still queued, into the other half
+
+    def _stager(self, worker: WorkerHandle | None) -> Stager | None:
+        """A double-buffered worker's stager (None: one arena half for every batch; a
+        test's fake worker without a real arena has one half)."""
+        if (worker is None or not self.cfg.double_buffer or not isinstance(worker.arena, Arena)
+                or worker.state is not WorkerState.READY):
+            return None
+        st = self._stagers.get(worker)
+        if st is None:
+            st = self._stagers[worker] = Stager(worker.arena, lambda t: _req(t).inputs,
+                                                 lambda t: _req(t).future.done())
+        return st
 
     async def _run_batch(self, b: Batch, worker: WorkerHandle,
-                         fut: asyncio.Future[BatchDone]) -> None:
+                         fut: asyncio.Future[BatchDone], half: int | None = None) -> None:
+        """`half`: a double-buffered batch's arena half; its outputs are read after the
+        next batch has been sent (into the other half), so the worker does not wait."""
         core = self.core
         assert core is not None
         try:
@@ -393,9 +424,7 @@ class Runtime:
             if done.n != b.n:
                 raise BackendError(f"{b.model}: the worker ran {done.n} items of a batch "
                                    f"of {b.n}")
-            outs = worker.arena.outputs(b.n)
-            results = {k: v.copy() for k, v in outs.items()}  # leave the arena to the worker
-            del outs
+            results = _outputs(worker, b.n, 0) if half is None else {}
         except asyncio.CancelledError:
             self._fail(core.fail(b, self._clock()), Unavailable("server is shutting down"))
             raise
@@ -410,18 +439,45 @@ class Runtime:
         end = self._clock()
         self.batch_log.append(BatchRecord(b.model, b.n, done.start_s, done.compute_s, b.reuse,
                                           worker.pid or 0))
+        tickets = core.complete(b, done.compute_s, end)
+        if half is not None:
+            self._notify(b, done.compute_s, end)
+            self._step_now()  # the next batch goes out before these outputs are read
+            try:
+                results = _outputs(worker, b.n, half)
+            except Exception as e:  # noqa: BLE001 - every ticket of the batch is answered
+                log.exception("reading the outputs of a batch of %s failed", b.model)
+                self._fail(tickets, BackendError(f"{b.model}: {e!r}"))
+                self._wake.set()
+                return
         i = 0
-        for t in core.complete(b, done.compute_s, end):
+        for t in tickets:
             res = {k: v[i:i + t.n] for k, v in results.items()}
             i += t.n
             fut_t = _req(t).future
             if not fut_t.done():
                 fut_t.set_result(res)
+        if half is None:
+            self._notify(b, done.compute_s, end)
+        self._wake.set()
+
+    def _notify(self, b: Batch, compute_s: float, end: float) -> None:
+        core = self.core
+        assert core is not None
         try:
-            core.notify_policy(b, done.compute_s, end)
+            core.notify_policy(b, compute_s, end)
         except Exception:  # its requests are answered; later batches go on
             log.exception("policy %s failed after a batch of %s", core.policy.name, b.model)
-        self._wake.set()
+
+    def _step_now(self) -> None:
+        """One step of the dispatch loop, here and now (the loop is woken as well)."""
+        core = self.core
+        assert core is not None
+        try:
+            self._apply(core.step(self._clock(), blocked=self.supervisor.blocked()))
+        except Exception as e:  # noqa: BLE001 - as in the loop: later requests go on
+            log.exception("dispatch failed")
+            self._fail(core.drain(), BackendError(f"dispatch failed: {e!r}"))
 
     def _fail(self, tickets: tuple[Ticket, ...] | list[Ticket], err: DStackError) -> None:
         for t in tickets:
@@ -445,6 +501,13 @@ class Runtime:
 
 def _req(t: Ticket) -> Request:
     return t.payload  # type: ignore[return-value]
+
+
+def _outputs(worker: WorkerHandle, n: int, half: int) -> dict[str, np.ndarray]:
+    """Copies of a batch's outputs: the arena is the worker's again once it is read."""
+    if half == 0:  # one half: a test's fake arena takes no half
+        return {k: v.copy() for k, v in worker.arena.outputs(n).items()}
+    return {k: v.copy() for k, v in worker.arena.outputs(n, half).items()}
 
 
 def _resolve_error(t: Ticket, err: Exception) -> None:

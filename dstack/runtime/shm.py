@@ -1,8 +1,15 @@
 """Shared-memory tensor arena: how batches cross the process boundary without pickling.
 
-One arena per worker: a single shared block holding, for every input and output tensor of
-the model, room for `max_batch` items. The dispatcher writes a batch's inputs into it and
-reads the outputs back; the worker wraps the same bytes as torch tensors (zero-copy).
+One arena per worker: a single shared block holding two *halves*, each with room for
+`max_batch` items of every input and output tensor of the model. The dispatcher writes a
+batch's inputs into a half and reads the outputs back from it; the worker wraps the same
+bytes as torch tensors (zero-copy). With double buffering the batches alternate between
+the halves, so the next batch's inputs are written into one while the current batch
+computes from the other (`dstack.runtime.staging`); without it every batch uses half 0.
+
+A small header before the halves holds, per half, how many input rows the dispatcher has
+written so far for the next batch from it (`staged_rows`): a CUDA worker copies those rows
+to the device while the batch before it computes (`dstack.runtime.upload`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ NUMPY_DTYPE: dict[DType, np.dtype] = {
 }
 
 _ALIGN = 64
+HALVES = 2
+_HEADER = _ALIGN  # one int64 per half: rows staged for its next batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +56,11 @@ class ArenaLayout:
     max_batch: int
     inputs: tuple[Region, ...]
     outputs: tuple[Region, ...]
-    nbytes: int
+    nbytes: int  # of one half (region offsets are within a half)
+
+    @property
+    def total_nbytes(self) -> int:
+        return _HEADER + HALVES * self.nbytes
 
     @classmethod
     def for_spec(cls, spec: ModelSpec) -> ArenaLayout:
@@ -74,22 +87,40 @@ class Arena:
         self.layout = layout
         self._owner = name is None
         if name is None:
-            self.shm = shared_memory.SharedMemory(create=True, size=layout.nbytes)
+            self.shm = shared_memory.SharedMemory(create=True, size=layout.total_nbytes)
         else:
             self.shm = shared_memory.SharedMemory(name=name)
         self.name = self.shm.name
+        self._staged = np.ndarray((HALVES,), dtype=np.int64, buffer=self.shm.buf)
 
-    def _view(self, r: Region, n: int) -> np.ndarray:
-        return np.ndarray((n, *r.item_shape), dtype=np.dtype(r.dtype), buffer=self.shm.buf,
-                          offset=r.offset)
+    def _view(self, r: Region, n: int, half: int, first: int = 0) -> np.ndarray:
+        if not 0 <= half < HALVES:
+            raise ValueError(f"arena half {half} (there are {HALVES})")
+        return np.ndarray((n - first, *r.item_shape), dtype=np.dtype(r.dtype),
+                          buffer=self.shm.buf,
+                          offset=_HEADER + half * self.layout.nbytes + r.offset
+                          + first * r.item_nbytes)
 
-    def inputs(self, n: int) -> dict[str, np.ndarray]:
-        return {r.name: self._view(r, n) for r in self.layout.inputs}
+    def inputs(self, n: int, half: int = 0, first: int = 0) -> dict[str, np.ndarray]:
+        """Views of input rows [first, n) of `half`."""
+        return {r.name: self._view(r, n, half, first) for r in self.layout.inputs}
 
-    def outputs(self, n: int) -> dict[str, np.ndarray]:
-        return {r.name: self._view(r, n) for r in self.layout.outputs}
+    def outputs(self, n: int, half: int = 0) -> dict[str, np.ndarray]:
+        return {r.name: self._view(r, n, half) for r in self.layout.outputs}
+
+    def staged_rows(self, half: int) -> int:
+        """Input rows of `half` written so far for its next batch (see the module
+        docstring)."""
+        return int(self._staged[half])
+
+    def set_staged_rows(self, half: int, rows: int) -> None:
+        # Written after the rows themselves: a reader in another process that sees the
+        # count sees the rows (x86-64 keeps stores in order; the CUDA path is x86 here).
+        self._staged[half] = rows
 
     def close(self) -> None:
+        # Drop the view of the block (close() fails while one lives); a count stays.
+        self._staged = np.zeros(HALVES, dtype=np.int64)
         try:
             self.shm.close()
         except BufferError:  # a view is still alive somewhere; the OS reclaims at exit

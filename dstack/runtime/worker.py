@@ -1,7 +1,9 @@
 """Worker processes: one per model slice, started with `spawn`.
 
 The child applies its slice, builds the model, warms it up, reports `Ready`, then runs the
-batches it is told to, reading inputs from and writing outputs to its shared-memory arena.
+batches it is told to, reading inputs from and writing outputs to the half of its
+shared-memory arena each batch names (`dstack.runtime.upload`: on CUDA, from pinned memory
+on a copy stream, the next batch's rows copied while the current one computes).
 The parent side (`WorkerHandle`) is asyncio: it waits on the pipe with `add_reader`, so a
 dead worker is noticed at once (EOF on the pipe) and its in-flight batch is failed.
 
@@ -34,6 +36,7 @@ from dstack.runtime.messages import (
     Stop,
 )
 from dstack.runtime.shm import Arena, ArenaLayout
+from dstack.runtime.upload import inputs_for
 
 log = logging.getLogger("dstack.runtime.worker")
 
@@ -94,17 +97,18 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         if cfg.slice.mechanism == "mps":
             _check_mps_client(cfg)
         arena = Arena(cfg.layout, name=cfg.arena_name)
+        upload = inputs_for(arena, device)
         out_names = [r.name for r in cfg.layout.outputs]
 
-        def run(n: int) -> None:
-            xs = [torch.from_numpy(a).to(device, non_blocking=True)
-                  for a in arena.inputs(n).values()]
+        def run(n: int, half: int = 0, fresh_from: int = 0) -> None:
+            xs = upload.batch(half, n, fresh_from)
             with torch.inference_mode():
                 y = model(*xs)
+            upload.overlap(half)  # CUDA: the next batch's rows go up while this computes
             ys = y if isinstance(y, (tuple, list)) else (y,)
             if len(ys) != len(out_names):
                 raise RuntimeError(f"model returned {len(ys)} outputs, spec has {len(out_names)}")
-            outs = arena.outputs(n)
+            outs = arena.outputs(n, half)
             for name, t in zip(out_names, ys, strict=True):
                 if t.shape[0] != n:
                     raise RuntimeError(f"output {name} has {t.shape[0]} rows for {n} inputs")
@@ -144,10 +148,11 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         assert isinstance(msg, RunBatch)
         start = time.monotonic()
         try:
-            run(msg.n)
+            run(msg.n, msg.half, msg.fresh_from)
             conn.send(BatchDone(msg.batch_id, msg.n, start, time.monotonic() - start))
         except Exception as e:  # noqa: BLE001 - a bad batch fails its requests, not the worker
             conn.send(BatchFailed(msg.batch_id, f"{type(e).__name__}: {e}"))
+    upload.close()
     arena.close()
 
 
@@ -256,10 +261,11 @@ class WorkerHandle:
             for cb in self.on_death:
                 cb(self)
 
-    def submit(self, n: int) -> asyncio.Future[BatchDone]:
-        """Start the n items already written to the arena's inputs; the future holds the
-        outcome. Sent at once, not from a task: the worker must not wait for the event
-        loop to get round to it (it would idle while responses are written)."""
+    def submit(self, n: int, half: int = 0, fresh_from: int = 0) -> asyncio.Future[BatchDone]:
+        """Start the n items already written to the inputs of the arena's `half`
+        (`fresh_from`: see `RunBatch`); the future holds the outcome. Sent at once, not
+        from a task: the worker must not wait for the event loop to get round to it (it
+        would idle while responses are written)."""
         if self.state is not WorkerState.READY or self.busy:
             raise BackendError(f"worker for {self.cfg.model} cannot take a batch ({self.state})")
         assert self._loop is not None
@@ -268,7 +274,7 @@ class WorkerHandle:
         self._pending = fut
         self.busy = True
         try:
-            self._conn.send(RunBatch(self._batch_id, n))
+            self._conn.send(RunBatch(self._batch_id, n, half, fresh_from))
         except (BrokenPipeError, OSError):
             self._on_eof()
         return fut
