@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+DRAIN_FACTOR = 4
+
 
 class BodyBudget:
     """Bytes of request bodies held in memory at once, across all requests (one event
@@ -72,6 +74,9 @@ class BodyLimits:
         self.max_body_bytes = max_body_bytes
         self.budget = budget
         self.retry_after = (b"retry-after", str(retry_after_s).encode())
+        # Refused bodies are read and dropped up to this much (bandwidth, not memory): a
+        # client sending a few times the limit still reads its 413.
+        self.drain_bytes = DRAIN_FACTOR * max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,14 +124,14 @@ class BodyLimits:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         await refuse(scope, receive, send, 413,
                      f"request body of {size} exceeds the limit of {self.max_body_bytes} bytes",
-                     drain_bytes=self.max_body_bytes)
+                     drain_bytes=self.drain_bytes)
 
     async def _over_budget(self, scope: Scope, receive: Receive, send: Send) -> None:
         b = self.budget
         await refuse(scope, receive, send, 503,
                      f"server busy: request bodies in flight use {b.used_bytes} of "
                      f"{b.limit_bytes} bytes (server.body_budget_bytes); retry later",
-                     headers=[self.retry_after], drain_bytes=self.max_body_bytes)
+                     headers=[self.retry_after], drain_bytes=self.drain_bytes)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
