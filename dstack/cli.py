@@ -60,7 +60,17 @@ def _cmd_mig_advise(args: argparse.Namespace) -> int:
     return mig_advise_command(args)
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from dstack.cluster.cli import cluster_command
+
+    return cluster_command(args)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.nodes is not None:  # a fleet (docs/cluster.md)
+        from dstack.cluster.cli import simulate_nodes_command
+
+        return simulate_nodes_command(args)
     from dstack.simulate.cli import simulate_command
 
     return simulate_command(args)
@@ -100,11 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", default=None, help="write a timeline + latency-CDF PNG here")
     sim.add_argument("--plot-window", default="300ms",
                      help="how much of the run's start the timeline shows")
+    sim.add_argument("--nodes", type=int, default=None,
+                     help="a fleet of N such devices: placement + every node's policy, against "
+                     "the Ray Serve way (docs/cluster.md)")
+    sim.add_argument("--node-memory-mb", type=float, default=None,
+                     help="with --nodes: each device's memory (default: 81559 cuda, 16384 cpu)")
     sim.set_defaults(func=_cmd_simulate)
 
     from dstack.mig_cli import add_mig_parser
 
     add_mig_parser(sub, _cmd_mig_advise)
+
+    from dstack.cluster.cli import add_cluster_parser
+
+    add_cluster_parser(sub, _cmd_cluster)
     return p
 
 

@@ -170,7 +170,7 @@ class ClusterPlanner:
 
     # -- results ---------------------------------------------------------------------------
 
-    def place(self, *, time_limit_s: float = 5.0, nodes: list[NodeSpec] | None = None
+    def place(self, *, time_limit_s: float = 8.0, nodes: list[NodeSpec] | None = None
               ) -> Placement:
         return place(nodes if nodes is not None else self.nodes(), self.demands(), self.score,
                      time_limit_s=time_limit_s)
