@@ -30,6 +30,7 @@ from dstack.common.errors import (
 )
 from dstack.common.types import ModelSpec, TensorSpec
 from server import codec
+from server.dashboard import install_dashboard
 from server.metrics import CONTENT_TYPE, Metrics
 from server.model_config import triton_model_config
 
@@ -281,6 +282,7 @@ def create_app(
             raise ModelNotFound(f"policy {backend.policy_name()} has no schedule")
         return s.to_dict()
 
+    install_dashboard(app, backend, metrics, MODEL_VERSION)  # GET /dashboard
     return app
 
 
