@@ -15,7 +15,7 @@ setup: $(BUILT)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray]'
 	touch $(STAMP)
 
 # The install compiles the simulator's hot path (setup.py); a changed source is compiled
