@@ -72,16 +72,16 @@ def batch_window(
 
 
 def rate_window(now: float, items: int, head_arrival: float, head_deadline: float | None,
-                rb: RateBatch, latency: LinearLatency) -> TakeNow | WaitUntil:
+                cap: int, rb: RateBatch, latency: LinearLatency) -> TakeNow | WaitUntil:
     """Take a batch now or wait for more items (`batching: rate`).
 
-    Once b* (`rb.target`) items are queued they go, with any backlog up to `rb.cap`. Until
+    Once b* (`rb.target`) items are queued they go, with any backlog up to `cap`. Until
     then the oldest request waits for as long as b* items take to arrive at the measured
     rate (after a drop in load the measured rate lags, and this bounds the wait to what it
     promises), and never past the moment its deadline needs a batch of b* to start.
     """
     if items >= rb.target:
-        return TakeNow(min(items, rb.cap))
+        return TakeNow(min(items, cap))
     until = head_arrival + rb.fill_s
     if head_deadline is not None:
         until = min(until, head_deadline - latency.estimate_s(rb.target))
@@ -119,8 +119,9 @@ class SharedPolicy:
         return self.models[model].max_batch
 
     def batch_cap(self, model: str) -> int:
-        rb = self.rate_batches.get(model)
-        return self.window_cap(model) if rb is None else rb.cap
+        if model in self.rate_batches:  # b* is what it waits for; a backlog goes whole
+            return self.models[model].max_batch
+        return self.window_cap(model)
 
     def _rate_batch(self, now: float, q: QueueView) -> RateBatch | None:
         """`batching: rate`: measure the rate from the view, then b* (None: the window)."""
@@ -158,7 +159,8 @@ class SharedPolicy:
                 continue
             lat = self.latency.get(m)
             if rb is not None and lat is not None:
-                w = rate_window(now, q.items, q.head_arrival, q.head_deadline, rb, lat)
+                w = rate_window(now, q.items, q.head_arrival, q.head_deadline, p.max_batch,
+                                rb, lat)
             else:
                 w = batch_window(now, q.items, q.head_arrival, q.head_deadline,
                                  self.window_cap(m), p.max_queue_delay_s, lat)

@@ -9,8 +9,11 @@ ends, b/c >= k + t*b, and the smallest such batch is
 
 Waiting for b* items and no longer is the least queueing that still keeps up: a smaller
 batch falls behind, a larger one only waits longer. A request waits for its batch to fill
-and then runs, so in steady state its latency is b*/c + T(b*) = 2*T(b*): the batch is capped
-at the largest b with T(b) <= slo / 2 (and at max_batch_size).
+and then runs, so in steady state its latency is b*/c + T(b*) = 2*T(b*): the batch waited
+for is capped at the largest b with T(b) <= slo / 2 (and at max_batch_size). A backlog
+(more than b* queued when the worker comes free) goes out whole, up to max_batch_size, as
+under the window: those requests are waiting already, and a larger batch clears them
+sooner; the dispatch core still refuses a head that batch would answer late.
 
 Pure, like the policies that call it: no clocks, no I/O. Plain Python (the compiled
 `baselines` calls it once per model and decision).
@@ -62,7 +65,6 @@ class RateBatch:
     """What the rate rule says for one model now."""
 
     target: int  # b*, capped: launch once this many items are queued
-    cap: int  # most items to launch at once (a backlog goes out in batches of up to this)
     fill_s: float  # time `target` items take to arrive at the measured rate
 
 
@@ -81,7 +83,7 @@ def rate_batch(latency: LinearLatency | None, rate_rps: float, slo_s: float,
     else:
         b_star = latency.k_s * rate_rps / (1 - busy)
         target = min(cap, max(1, math.ceil(b_star - 1e-9)))
-    return RateBatch(target, cap, target / rate_rps)
+    return RateBatch(target, target / rate_rps)
 
 
 __all__ = ["RATE_TAU_S", "ArrivalRate", "RateBatch", "rate_batch"]
