@@ -5,12 +5,15 @@ cycle and per-model series whose counts are what was sent."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import yaml
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -145,3 +148,25 @@ def test_the_app_lifespan_samples_by_itself() -> None:
             time.sleep(0.1)
         d = http.get("/v1/dashboard/data").json()
     assert len(d["t"]) >= 1 and [m["name"] for m in d["models"]] == ["double", "flip", "broken"]
+
+
+def test_grafana_and_prometheus_examples_use_what_metrics_exports() -> None:
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    scrape = yaml.safe_load((root / "prometheus.yml").read_text())
+    job = scrape["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
+
+    async def go() -> str:
+        async with client(create_app(RefusingBackend(), max_body_bytes=4096)) as http:
+            return (await http.get("/metrics")).text
+
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", asyncio.run(go()), re.M))
+    dash = json.loads((root / "grafana" / "dstack.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs.append(dash["templating"]["list"][1]["query"]["query"])
+    used = {n for e in exprs for n in re.findall(r"\b((?:nv|dstack)_[a-z_]+)", e)}
+    assert len(used) >= 12
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in types or types.get(base) == "histogram", name
