@@ -86,7 +86,7 @@
   // a null value is a gap. opts: {windowS, yMax (fixed top), unit}.
   function lineSvg(t, lines, opts) {
     opts = opts || {};
-    var W = 360, H = 150, L = 40, R = 8, T = 8, B = 20, pw = W - L - R, ph = H - T - B;
+    var W = 360, H = 150, L = 40, R = 14, T = 8, B = 20, pw = W - L - R, ph = H - T - B;
     var win = opts.windowS || 300;
     var top = opts.yMax;
     if (top === undefined) {
