@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies bench-batching clean
 
 setup: $(BUILT)
 
@@ -88,6 +88,15 @@ CLOSED_LOOP_ARGS ?=
 bench-closed-loop: $(BUILT)
 	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) $(CLOSED_LOOP_ARGS)
 
+# batching: rate against the max-queue-delay window on a load stepping 0.3x -> 1.2x -> 0.3x
+# of capacity, and the gap between batches with and without double buffering: real CPU
+# servers, numbers in out/bench/batching.json (~3 minutes). E.g. BENCH_BATCHING_ARGS=
+# "--phase-seconds 20 --seed 2".
+BENCH_BATCHING_ARGS ?=
+
+bench-batching: $(BUILT)
+	$(PY) -m bench.bench_batching $(BENCH_BATCHING_ARGS)
+
 # The policy suite in the simulator: 40 seeded random mixes and reference-v100, every
 # policy, dstack against the best baseline and the ideal bound (docs/simulator.md; a few
 # minutes). Flags, e.g.: BENCH_POLICIES_ARGS="--mixes 60 --seed 2 --jobs 2 --duration 60".
@@ -95,6 +104,14 @@ BENCH_POLICIES_ARGS ?=
 
 bench-policies: $(BUILT)
 	$(PY) -m bench.bench_policies $(BENCH_POLICIES_ARGS)
+
+# priority: low (FIKIT): a low-priority model flooding at 3x beside planned ones, against
+# the planned models alone and against shared; the simulator, and with BENCH_PRIORITY_ARGS=
+# --real also real servers on this CPU (~2 minutes more).
+BENCH_PRIORITY_ARGS ?=
+
+bench-priority: $(BUILT)
+	$(PY) -m bench.bench_priority $(BENCH_PRIORITY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
