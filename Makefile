@@ -105,14 +105,6 @@ BENCH_POLICIES_ARGS ?=
 bench-policies: $(BUILT)
 	$(PY) -m bench.bench_policies $(BENCH_POLICIES_ARGS)
 
-# priority: low (FIKIT): a low-priority model flooding at 3x beside planned ones, against
-# the planned models alone and against shared; the simulator, and with BENCH_PRIORITY_ARGS=
-# --real also real servers on this CPU (~2 minutes more).
-BENCH_PRIORITY_ARGS ?=
-
-bench-priority: $(BUILT)
-	$(PY) -m bench.bench_priority $(BENCH_PRIORITY_ARGS)
-
 clean:
 	rm -rf $(VENV) build *.egg-info
 	find dstack -name '*.so' -delete -o -name '*.c' -delete
