@@ -55,7 +55,7 @@ def test_each_injected_fault_answers_its_requests_with_a_500_and_later_ones_are_
 
             # 2. Copying the inputs into the worker's arena fails (arena broken).
             real_inputs = worker.arena.inputs
-            worker.arena.inputs = lambda n: (_ for _ in ()).throw(  # type: ignore[method-assign]
+            worker.arena.inputs = lambda n, *half: (_ for _ in ()).throw(  # type: ignore[method-assign]
                 MemoryError("arena full"))
             with pytest.raises(BackendError, match="could not start a batch.*arena full"):
                 await asyncio.wait_for(rt.infer("tiny_cnn", {"input": X}), 1.0)
@@ -65,8 +65,8 @@ def test_each_injected_fault_answers_its_requests_with_a_500_and_later_ones_are_
             # 3. The worker reports a different number of rows than it was given.
             real_submit = worker.submit
 
-            def short_submit(n: int) -> asyncio.Future[BatchDone]:
-                inner = real_submit(n)
+            def short_submit(n: int, *half: int) -> asyncio.Future[BatchDone]:
+                inner = real_submit(n, *half)
                 outer: asyncio.Future[BatchDone] = asyncio.get_running_loop().create_future()
 
                 def relay(f: asyncio.Future[BatchDone]) -> None:
