@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies bench-batching clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies bench-batching bench-priority clean
 
 setup: $(BUILT)
 
@@ -104,6 +104,14 @@ BENCH_POLICIES_ARGS ?=
 
 bench-policies: $(BUILT)
 	$(PY) -m bench.bench_policies $(BENCH_POLICIES_ARGS)
+
+# priority: low (FIKIT): a low-priority model flooding at 3x beside planned ones, against
+# the planned models alone and against shared; the simulator, and with BENCH_PRIORITY_ARGS=
+# --real also real servers on this CPU (~2 minutes more).
+BENCH_PRIORITY_ARGS ?=
+
+bench-priority: $(BUILT)
+	$(PY) -m bench.bench_priority $(BENCH_PRIORITY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,10 +24,11 @@ from dstack.common.types import (
     SolverStatus,
 )
 from dstack.policies.baseline_params import knee_percent, temporal_batch
-from dstack.policies.lane_policy import Lane, LanePlan
+from dstack.policies.lane_policy import GAP_SAFETY, Lane, LanePlan
 from dstack.policies.replicas import public_name
 from optimizer.lanes import (
     LaneChoice,
+    LaneEval,
     LaneInstance,
     LaneModel,
     Reference,
@@ -105,8 +106,10 @@ def predicted_goodput(plan: LanePlan, cfg: DeployConfig, profiles: dict[str, Pro
     index = {m.name: i for i, m in enumerate(inst.models)}
     total = 0.0
     for lane in plan.lanes:
-        members = [index[n] for n in lane.models if n in index]
-        caps = [c for n, c in zip(lane.models, lane.caps, strict=True) if n in index]
+        keep = [(n, c) for n, c in zip(lane.models, lane.caps, strict=True)
+                if n in index and n not in lane.fill]
+        members = [index[n] for n, _ in keep]
+        caps = [c for _, c in keep]
         if members:
             total += score_lane(inst, members, lane.percent, caps).value
     return total
@@ -122,6 +125,11 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
     if backend is None:
         backend = backend_of(profiles)
     inst, served, unserved, guessed = _instance(cfg, profiles, backend, rates, margin)
+    fills: list[LaneModel] = []
+    if any(not m.low for m in inst.models):  # low priority only fills the others' gaps
+        fills = [m for m in inst.models if m.low]
+        served = [c for c, m in zip(served, inst.models, strict=True) if not m.low]
+        inst = LaneInstance(tuple(m for m in inst.models if not m.low), inst.widths)
     models = inst.models
     spatial_w = temporal_caps = None
     if models:
@@ -143,14 +151,81 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
         unserved.append((lm.name, f"{lm.name} left out: the device cannot serve every "
                                   f"model's rate ({lm.rate_rps:.1f} rps planned), and the "
                                   f"others serve more requests within SLO without it"))
+    placed = _place_fills(inst, choice, fills, unserved)
     plan, sched = _realise(inst, choice, backend, unserved, time.perf_counter() - t0,
-                           infeasible)
+                           infeasible, placed)
     return plan, sched, ref
+
+
+_Fill = tuple[LaneModel, int, float]  # a low-priority model, its cap, its predicted rps
+
+
+def lane_gap_ms(inst: LaneInstance, ev: LaneEval) -> float:
+    """How long a lane's planned models can wait for a batch that started just before
+    their request arrived and still meet their SLO: min_m (S_m - L_m(cap_m))."""
+    return min(inst.models[i].slo_ms - lat for i, lat in zip(ev.members, ev.lat_ms,
+                                                             strict=True))
+
+
+def gap_lanes(plan: LanePlan, profile: Profile, *, margin: float = LATENCY_MARGIN) -> int:
+    """How many of `plan`'s lanes have a gap that fits a batch of 1 of the model profiled
+    in `profile` (a low-priority model: one worker per such lane uses all their gaps)."""
+    lat = planning_latency(profile, margin=margin)
+    by_name = {m.model: m for m in plan.models}
+    n = 0
+    for lane in plan.lanes:
+        planned = [by_name[m] for m in lane.models if m not in lane.fill and m in by_name]
+        gap = min((m.slo_ms - m.latency_ms for m in planned), default=0.0)
+        if planned and lat(min(profile.batch_sizes), lane.percent) <= GAP_SAFETY * gap:
+            n += 1
+    return n
+
+
+def _place_fills(inst: LaneInstance, choice: LaneChoice, fills: list[LaneModel],
+                 unserved: list[tuple[str, str]]) -> dict[int, list[_Fill]]:
+    """Low-priority models (FIKIT): each goes to the lane with the most predicted idle
+    time whose gap (`lane_gap_ms` x `GAP_SAFETY`) fits a batch of it, with the largest
+    cap that fits; it takes no width and runs only when its lane is idle. One that fits
+    no lane is left out with the numbers."""
+    idle = [max(0.0, 1.0 - sum(inst.models[i].rate_rps * lat / cap / 1000.0
+                               for i, lat, cap in zip(ev.members, ev.lat_ms, ev.caps,
+                                                      strict=True)))
+            for ev in choice.lanes]
+    out: dict[int, list[_Fill]] = {}
+    taken: dict[str, set[int]] = {}  # a model's replicas go to different lanes
+    for f in fills:
+        best, best_cap = -1, 0
+        mine = taken.setdefault(public_name(f.name), set())
+        for k, ev in enumerate(choice.lanes):
+            budget = GAP_SAFETY * lane_gap_ms(inst, ev)
+            fit = [b for b in f.batches if f.latency(b, ev.width) <= budget]
+            if fit and k not in mine and (best < 0 or idle[k] > idle[best]):
+                best, best_cap = k, fit[-1]
+        if best < 0:
+            why = "and there is no lane"
+            room = [(GAP_SAFETY * lane_gap_ms(inst, ev) - f.latency(f.batches[0], ev.width),
+                     ev) for k, ev in enumerate(choice.lanes) if k not in mine]
+            if room:
+                slack, ev = max(room, key=lambda x: x[0])
+                why = (f"no lane can spare a batch of {f.batches[0]}: on the {ev.width:g}% "
+                       f"lane with the most room it takes "
+                       f"{f.latency(f.batches[0], ev.width):.1f} ms, and that lane's models "
+                       f"can wait {GAP_SAFETY * lane_gap_ms(inst, ev):.1f} ms")
+            unserved.append((f.name, f"{f.name} (priority low) runs only in the gaps the "
+                                     f"other models leave, {why}"))
+            continue
+        lat = f.latency(best_cap, choice.lanes[best].width)
+        served = min(f.rate_rps, idle[best] * 1000.0 * best_cap / lat)
+        out.setdefault(best, []).append((f, best_cap, served))
+        mine.add(best)
+        idle[best] = max(0.0, idle[best] - served * lat / best_cap / 1000.0)
+    return out
 
 
 def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
              unserved: list[tuple[str, str]], solve_s: float,
-             infeasible: bool = False) -> tuple[LanePlan, Schedule]:
+             infeasible: bool = False,
+             fills: dict[int, list[_Fill]] | None = None) -> tuple[LanePlan, Schedule]:
     cores = tuple(backend.whole().units)
     nxt = 0
     lanes: list[Lane] = []
@@ -158,7 +233,7 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
     slots: list[Slot] = []
     shortfalls = [Shortfall(m, why) for m, why in unserved]
     cycle = max((ev.round_ms for ev in choice.lanes), default=0.0) or 1.0
-    for ev in choice.lanes:
+    for li, ev in enumerate(choice.lanes):
         if backend.kind == "cpu":
             k = backend.slice_for(ev.width).units
             units = cores[nxt:nxt + len(k)]
@@ -169,9 +244,17 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
         names = tuple(inst.models[i].name for i in ev.members)
         short = {names[k] for k in capped([inst.models[i] for i in ev.members], ev.caps,
                                           ev.width)}
-        lanes.append(Lane(spec.percent, units, names, ev.caps, ev.round_ms,
+        gap_fill = (fills or {}).get(li, [])
+        lanes.append(Lane(spec.percent, units, names + tuple(f.name for f, _, _ in gap_fill),
+                          ev.caps + tuple(c for _, c, _ in gap_fill), ev.round_ms,
                           tuple(inst.models[i].name for i in ev.members
-                                if inst.models[i].low or inst.models[i].name in short)))
+                                if inst.models[i].low or inst.models[i].name in short),
+                          fill=tuple(f.name for f, _, _ in gap_fill),
+                          gap_ms=lane_gap_ms(inst, ev) if gap_fill else None))
+        for f, cap, served in gap_fill:  # no slot: it runs only in the lane's idle time
+            lat = f.latency(cap, ev.width)
+            mplans.append(ModelPlan(f.name, cap, spec.percent, lat, 1000.0 * cap / lat,
+                                    f.rate_rps, served, f.slo_ms, 0, 0.0))
         offset = 0.0
         for k, i in enumerate(ev.members):
             lm = inst.models[i]

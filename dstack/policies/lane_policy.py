@@ -10,7 +10,13 @@ GPU). Each lane hosts one or more models; every model has a batch cap. At run ti
 - the batch takes up to the model's cap (a model alone in its lane: up to the batch its
   live estimate runs in `LONE_BATCH_SLO` of its SLO, if larger); heads a batch would
   answer late are refused by the dispatch core;
-- lanes run concurrently; nothing waits for a timer (work-conserving).
+- lanes run concurrently; nothing waits for a timer (work-conserving);
+- a `low`-priority model (FIKIT) is planned into no lane width: it joins the lane with
+  the most idle time whose *gap* fits a batch of it (the time its models can wait for a
+  batch that started just before their request and still meet their SLOs), and runs
+  only when that lane is idle and its other models have nothing queued, in batches its
+  live estimate says end within the gap. So it never delays a planned model past its
+  SLO by more than the estimate's error.
 
 One lane per model is the `spatial` shape; one 100% lane with every model is the
 `temporal` shape; tight-SLO models run more often than loose ones by EDF (multi-rate).
@@ -34,13 +40,18 @@ from dstack.policies.latency import LinearLatency
 #: 0.5 left one mix at 0.973x the best baseline (median 0.839 of the ideal), 0.6 none
 #: below 0.98x (median 0.810: two CPU mixes near load 0.9 lose), 0.7 was worse on both.
 LONE_BATCH_SLO = 0.6
+#: A gap filler's batch must end within this share of its lane's gap (estimate error).
+GAP_SAFETY = 0.8
 
 
 @dataclass(frozen=True, slots=True)
 class Lane:
     """A slice of `percent`% (`units`: its cores, or () on a GPU) shared in time by
     `models`, each with its batch cap; `round_ms` is the planned round (every model one
-    capped batch), `low` the models that only use what the others leave idle."""
+    capped batch), `low` the models that only use what the others leave idle. `fill`:
+    low-priority models (FIKIT) that run only when the lane is idle and no other model of
+    it has work, in batches that end within `gap_ms` x `GAP_SAFETY` (what the lane's other
+    models can wait and still meet their SLOs); they are in `models` too, with no slot."""
 
     percent: float
     units: tuple[int, ...]
@@ -48,6 +59,8 @@ class Lane:
     caps: tuple[int, ...]
     round_ms: float
     low: tuple[str, ...] = ()
+    fill: tuple[str, ...] = ()
+    gap_ms: float | None = None  # with gap fillers only
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +99,14 @@ class LanePolicy:
                 self._unserved[m] = why.get(m, "not in the plan")
         self._cap = {m: c for lane in self.lanes for m, c in zip(lane.models, lane.caps,
                                                                   strict=True)}
-        self._alone = {lane.models[0] for lane in self.lanes if len(lane.models) == 1}
-        # Per lane, its models in decision order: (name, is_low).
-        self._members = [tuple((m, m in lane.low) for m in lane.models) for lane in self.lanes]
+        self._alone = {lane.models[0] for lane in self.lanes
+                       if len(lane.models) - len(lane.fill) == 1}
+        # Per lane, its models in decision order: (name, tier): 0 planned, 1 low (only
+        # when the others have nothing), 2 gap filler (and only within the lane's gap).
+        self._members = [tuple((m, 2 if m in lane.fill else 1 if m in lane.low else 0)
+                               for m in lane.models) for lane in self.lanes]
+        self._gap_s = {m: GAP_SAFETY * lane.gap_ms / 1000.0 for lane in self.lanes
+                       if lane.gap_ms is not None for m in lane.fill}
 
     # ------------------------------------------------------------------ contract
 
@@ -107,8 +125,8 @@ class LanePolicy:
         launches: list[Launch] = []
         for members in self._members:
             best: QueueView | None = None
-            best_key = (2, 0.0)
-            for m, low in members:
+            best_key = (3, 0.0)
+            for m, tier in members:
                 q = queues.get(m)
                 if q is None:
                     continue
@@ -118,12 +136,14 @@ class LanePolicy:
                 if q.items <= 0:
                     continue
                 dl = q.head_deadline if q.head_deadline is not None else float("inf")
-                key = (1 if low else 0, dl)
+                key = (tier, dl)
                 if best is None or key < best_key:
                     best, best_key = q, key
             else:
                 if best is not None:
-                    launches.append(Launch(best.model, self._batch(best, now), False))
+                    n = self._batch(best, now)
+                    if n > 0:
+                        launches.append(Launch(best.model, n, False))
         return Decision(tuple(launches), None)
 
     def batch_cap(self, model: str) -> int:
@@ -142,7 +162,13 @@ class LanePolicy:
         # dispatch core refuses such heads at launch, and shrinking batches under
         # overload would cut throughput exactly when it is short (measured: the
         # simulator suite's overloaded mixes lost half their goodput that way).
-        return max(1, min(q.items, self.batch_cap(q.model)))
+        n = max(1, min(q.items, self.batch_cap(q.model)))
+        gap = self._gap_s.get(q.model)
+        if gap is not None:  # a gap filler: what its live estimate runs within the gap
+            est = self.latency.get(q.model)
+            if est is not None:
+                n = est.max_batch_within(gap, n)  # 0: not even one fits; wait
+        return n
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
         return None

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from dstack.common.config import ConfigError, DeployConfig, PolicyName, load_config
 from dstack.common.slices import SliceBackend
-from dstack.common.types import Plan, Profile, Schedule, load_profiles
+from dstack.common.types import Plan, Priority, Profile, Schedule, load_profiles
 from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.contract import ModelParams, Policy
-from dstack.policies.lane_planning import backend_of, plan_lanes, predicted_goodput
+from dstack.policies.lane_planning import backend_of, gap_lanes, plan_lanes, predicted_goodput
 from dstack.policies.lane_policy import LanePlan
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
@@ -96,11 +96,17 @@ def replica_counts(cfg: DeployConfig, profiles: dict[str, Profile],
     lane plan predicts the most goodput (`dstack.policies.replicas`)."""
     min_pct = 100.0 / backend.total_units if backend.kind == "cpu" else 0.0
 
-    def score(counts: dict[str, int]) -> float:
+    def plan(counts: dict[str, int]) -> LanePlan:
         run = expand(cfg, counts)
-        return plan_lanes(run, _replica_profiles(run, profiles), backend)[0].objective
+        return plan_lanes(run, _replica_profiles(run, profiles), backend)[0]
 
-    return choose(cfg, wanted(cfg, profiles, min_pct), score)
+    counts = choose(cfg, wanted(cfg, profiles, min_pct), lambda c: plan(c).objective)
+    low = [m for m in cfg.models if m.priority is Priority.LOW]
+    if low and len(low) < len(cfg.models):  # gap fillers: a worker per lane they fit
+        planned = plan(counts)
+        for m in low:
+            counts[m.name] = max(1, min(m.max_replicas, gap_lanes(planned, profiles[m.name])))
+    return counts
 
 
 def _replica_profiles(run_cfg: DeployConfig,

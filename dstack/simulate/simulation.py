@@ -94,6 +94,10 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
     max_slo_s = max(m.slo_ms for m in cfg.models) / 1000
     ideal = ideal_bound_rps(costs, arrived, duration_s, max_slo_s)
     fluid = fluid_bound(costs, {m.name: m.rate_rps for m in cfg.models})
+    extra = set(arrivals.names) - {m.name for m in cfg.models}
+    if extra:
+        raise ConfigError(f"the workload names models the config does not serve: "
+                          f"{', '.join(sorted(extra))}")
     order = {n: i for i, n in enumerate(arrivals.names)}
     remap = [order[m.name] for m in cfg.models]
     # Arrivals may name the models in another order than the config: re-index once.
