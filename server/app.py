@@ -8,7 +8,9 @@ code, an unexpected exception as 500 (and logged with its traceback).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -148,12 +150,14 @@ def create_app(
 
     @app.exception_handler(DStackError)
     async def _dstack_error(_: Request, e: DStackError) -> JSONResponse:
-        if e.status_code >= 500:
+        if e.status_code >= 500 and not e.logged:  # else logged once for its event
             log.warning("%s: %s", type(e).__name__, e.message)
+        headers = (None if e.retry_after_s is None
+                   else {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
         if e.rule is not None:  # a refusal: say which rule refused it
             return JSONResponse({"error": e.message, "reason": e.rule},
-                                status_code=e.status_code)
-        return _error(e.status_code, e.message)
+                                status_code=e.status_code, headers=headers)
+        return JSONResponse({"error": e.message}, status_code=e.status_code, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -177,6 +181,10 @@ def create_app(
     def require_ready(model: str) -> None:
         if not backend.is_model_ready(model):
             raise Unavailable(f"model {model} is not ready")
+
+    # A backend that can queue requests while a model's worker restarts says itself
+    # whether one can be taken now (`Runtime.check_admission`); others must be ready.
+    check_admission: Callable[[str], None] = getattr(backend, "check_admission", require_ready)
 
     # ------------------------------------------------------------------ server
 
@@ -217,7 +225,12 @@ def create_app(
 
     async def stats(model: str, version: str | None = None) -> dict[str, Any]:
         spec_of(model, version)
-        return {"model_stats": [triton_stats(backend.stats(model))]}
+        # Failures are counted in one place, where every failed infer request passes (the
+        # infer route, below: refusals before the backend saw the request included), and
+        # read from there by /metrics too, so that both say the same.
+        s = dataclasses.replace(backend.stats(model),
+                                request_failure=metrics.failures.total(model))
+        return {"model_stats": [triton_stats(s)]}
 
     async def config(model: str, version: str | None = None) -> dict[str, Any]:
         return triton_model_config(backend, spec_of(model, version), PLATFORM)
@@ -235,7 +248,7 @@ def create_app(
             raise
 
     async def _infer(request: Request, model: str, spec: ModelSpec) -> Response:
-        require_ready(model)
+        check_admission(model)  # before the body is read
         body = await read_body(request, max_body_bytes)
         header_len = request.headers.get(codec.HEADER_LENGTH)
         if len(body) > DECODE_INLINE_BYTES:  # a big body (JSON: slow) is decoded off the loop

@@ -2,7 +2,8 @@
 
 Values the backend already counts (`InferenceBackend.stats`) are read at scrape time by
 a custom collector, never counted twice. Only what the backend cannot know is counted
-here: failures by reason, which the HTTP layer sees (a 400 never reaches the backend).
+here: failures by reason, which the HTTP layer sees (a 400 never reaches the backend); the
+stats route reads its failure count from the same counter (`FailureCounts.total`).
 
 Each app owns its own `CollectorRegistry`, so tests can build several apps.
 
@@ -44,6 +45,11 @@ class FailureCounts:
     def get(self, model: str, reason: str) -> int:
         with self._lock:
             return self._counts.get((model, reason), 0)
+
+    def total(self, model: str) -> int:
+        """Every failure of `model`, whatever the reason (its stats' failure count)."""
+        with self._lock:
+            return sum(k for (m, _), k in self._counts.items() if m == model)
 
 
 def _counter(name: str, doc: str) -> Metric:
@@ -108,9 +114,24 @@ class BackendCollector(Collector):
         batch = GaugeMetricFamily(
             "dstack_batch_size", "Batch size the policy aims for now", labels=["model"]
         )
+        restarts = _counter(
+            "dstack_model_restart_count",
+            "Restarts of the model's worker after it died (replicas summed)",
+        )
+        restart_us = GaugeMetricFamily(
+            "dstack_model_restart_duration_us",
+            "How long the last restart of the model's worker took, death to ready (us)",
+            labels=["model", "version"],
+        )
+        restarting = GaugeMetricFamily(
+            "dstack_model_restarting",
+            "1 while the model's worker is restarting, else 0",
+            labels=["model", "version"],
+        )
         cap_of = getattr(b, "current_batch_cap", None)
         rules_of = getattr(b, "refusals", None)
         slice_of = getattr(b, "current_slice", None)
+        restarts_of = getattr(b, "restarts", None)
         for model in b.model_names():
             s = b.stats(model)
             mv: dict[str, str] = {"model": model, "version": v}
@@ -140,6 +161,12 @@ class BackendCollector(Collector):
                     slice_pct.add_metric([model], sl.percent)
             if cap_of is not None:
                 batch.add_metric([model], cap_of(model))
+            if restarts_of is not None:
+                r = restarts_of(model)
+                restarts.add_sample("dstack_model_restart_count", mv, r.count)
+                restarting.add_metric([model, v], 0 if r.died_at is None else 1)
+                if r.last_s is not None:
+                    restart_us.add_metric([model, v], r.last_s * 1e6)
         yield from (
             success,
             failure,
@@ -154,6 +181,9 @@ class BackendCollector(Collector):
             attain,
             slice_pct,
             batch,
+            restarts,
+            restart_us,
+            restarting,
         )
 
 
@@ -167,6 +197,7 @@ _UNSUFFIXED = (
     "dstack_request_slo_met",
     "dstack_request_refused",
     "dstack_request_refused_by_rule",
+    "dstack_model_restart_count",
 )
 
 

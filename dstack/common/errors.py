@@ -10,6 +10,8 @@ class DStackError(Exception):
     status_code = 500
     reason = "internal"  # a short label, used in metrics
     rule: str | None = None  # a refusal: the rule that refused it (`{"reason": rule}`)
+    retry_after_s: float | None = None  # when to retry: the server sends `Retry-After`
+    logged: bool = False  # logged where it arose, once per event: not again per request
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

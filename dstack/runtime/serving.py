@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections import deque
@@ -40,7 +41,7 @@ from dstack.common.types import ModelSpec, Plan, Schedule
 from dstack.policies.contract import Policy
 from dstack.policies.latency import LinearLatency
 from dstack.policies.planning import PolicySetup, setup_policy
-from dstack.policies.replicas import replica_groups, replica_names
+from dstack.policies.replicas import public_name, replica_groups, replica_names
 from dstack.runtime.dispatch import (
     Batch,
     CoreModel,
@@ -53,7 +54,7 @@ from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.replanner import Replanner
 from dstack.runtime.shm import Arena
 from dstack.runtime.staging import Stager
-from dstack.runtime.supervisor import Supervisor, passive_models
+from dstack.runtime.supervisor import RestartInfo, Supervisor, passive_models
 from dstack.runtime.worker import WorkerHandle, WorkerState
 
 log = logging.getLogger("dstack.runtime")
@@ -65,6 +66,11 @@ MAX_IDLE_S = 0.5
 #: refused just after now, and on a virtual clock a step at the same instant again would
 #: never let time move on. (On the real clock, time has moved on by then: no wait.)
 WAKE_NUDGE_S = 1e-9
+#: A restart that has run past its expected time is assumed to need this share of that
+#: time again (admission while restarting, `Runtime.check_admission`).
+RESTART_OVERRUN = 0.1
+#: The rule a request refused because its model is restarting is refused by (503).
+RESTARTING = "restarting"
 
 
 @dataclass(eq=False, slots=True)
@@ -169,7 +175,13 @@ class Runtime:
         self._clock = clock
         self.supervisor: WorkerPool = supervisor if supervisor is not None else Supervisor(
             {m.name: (m, self.specs[m.name]) for m in cfg.models}, self.slices,
-            on_change=self._poke, on_failed=self._model_failed)
+            on_change=self._poke, on_failed=self._model_failed,
+            on_restarted=self._restarted, clock=clock)
+        # Requests refused because their model was restarting (503), per served model:
+        # since start-up, and in the restart under way (with those that waited for it).
+        self._restart_refused: dict[str, int] = {}
+        self._event_refused: dict[str, int] = {}
+        self._event_waited: dict[str, int] = {}
         self.replanner: Replanner | None = None
         # Double buffering (`double_buffer`): each worker's arena halves, by worker.
         self._stagers: weakref.WeakKeyDictionary[WorkerHandle, Stager] = (
@@ -241,9 +253,27 @@ class Runtime:
         self._wake.set()
 
     def _model_failed(self, model: str, err: DStackError) -> None:
+        self._restart_ended(model, None, None)
         if self.core is not None:
             self._fail(self.core.drain(model),
                        Unavailable(f"model {model} is unavailable: {err.message}"))
+
+    def _restarted(self, worker: str, took_s: float, expected_s: float | None) -> None:
+        self._restart_ended(worker, took_s, expected_s)
+
+    def _restart_ended(self, worker: str, took_s: float | None,
+                       expected_s: float | None) -> None:
+        """One log line per restart event, with what it cost (the requests refused while
+        it lasted are not logged one by one)."""
+        model = public_name(worker)
+        refused = self._event_refused.pop(model, 0)
+        waited = self._event_waited.pop(model, 0)
+        expected = f" (expected {expected_s:.1f} s)" if expected_s is not None else ""
+        outcome = (f"restarted in {took_s:.1f} s{expected}" if took_s is not None
+                   else "could not be restarted")
+        log.log(logging.WARNING if refused or took_s is None else logging.INFO,
+                "model %s: worker %s %s; meanwhile %d requests were refused (503 %s) and "
+                "%d waited for it", model, worker, outcome, refused, RESTARTING, waited)
 
     # ------------------------------------------------------------------ backend API
 
@@ -292,17 +322,34 @@ class Runtime:
 
     def stats(self, model: str) -> ModelStats:
         self.spec(model)
+        restarting = self._restart_refused.get(model, 0)
         if self.core is None:
-            return ModelStats(model, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            return ModelStats(model, 0, restarting, 0, 0, 0, 0, restarting, 0, 0)
         c = self.core.counters(model)
-        return ModelStats(model, c.served, c.failed + c.refused_total, c.items, c.batches,
-                          int(c.queue_s * 1e9), int(c.compute_s * 1e9), c.refused_total,
+        refused = c.refused_total + restarting
+        return ModelStats(model, c.served, c.failed + refused, c.items, c.batches,
+                          int(c.queue_s * 1e9), int(c.compute_s * 1e9), refused,
                           c.within_slo, self.core.pending(model))
 
     def refusals(self, model: str) -> dict[str, int]:
-        """Refusals of `model` by the rule that refused them (for /metrics)."""
+        """Refusals of `model` by the rule that refused them (for /metrics): the dispatch
+        core's rules, and `restarting` (503: it could not wait for its worker's restart)."""
         self.spec(model)
-        return dict(self.core.counters(model).refused) if self.core is not None else {}
+        out = dict(self.core.counters(model).refused) if self.core is not None else {}
+        out[RESTARTING] = self._restart_refused.get(model, 0)
+        return out
+
+    def restarts(self, model: str) -> RestartInfo:
+        """The model's worker restarts (for /metrics): a model with replicas, theirs
+        summed, with the longest last restart."""
+        self.spec(model)
+        infos = [self.supervisor.restart_info(w) for w in self.workers(model)
+                 ] if isinstance(self.supervisor, Supervisor) else []
+        lasts = [i.last_s for i in infos if i.last_s is not None]
+        expected = [i.expected_s for i in infos if i.expected_s is not None]
+        died = [i.died_at for i in infos if i.died_at is not None]
+        return RestartInfo(min(died) if died else None, max(expected) if expected else None,
+                           sum(i.count for i in infos), max(lasts) if lasts else None)
 
     def current_batch_cap(self, model: str) -> int:
         """The batch size the policy aims for now (for metrics)."""
@@ -311,13 +358,60 @@ class Runtime:
     def current_slice(self, model: str) -> SliceSpec | None:
         return self.supervisor.current_slice(model)
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def check_admission(self, model: str) -> None:
+        """Raise `Unavailable` (503) when a request for `model` arriving now cannot be
+        queued: the server or the model is not up. While the model's worker restarts, a
+        request is queued (and runs once the worker is back) when its deadline is later
+        than the restart's expected end (its worker's last measured start-up time after
+        it died) plus one item's estimated run; otherwise it is refused with the rule
+        `restarting` and a `retry_after_s` of the time left. Counted here, logged once
+        per restart (when it ends). The server calls this before reading the body."""
         self.spec(model)
-        core = self.core
-        if self._closing or not self._ready or core is None:
+        if self._closing or not self._ready or self.core is None:
             raise Unavailable("server is not ready")
-        if not any(self.supervisor.accepting(w) for w in self.workers(model)):
+        workers = self.workers(model)
+        if not any(self.supervisor.accepting(w) for w in workers):
             raise Unavailable(f"model {model} is not ready")
+        if not isinstance(self.supervisor, Supervisor) or any(
+                self.supervisor.is_ready(w) for w in workers):
+            return
+        infos = [i for i in (self.supervisor.restart_info(w) for w in workers)
+                 if i.expected_ready() is not None]
+        if not infos:  # starting, or a start never measured: queue it as before
+            return
+        now = self._clock()
+        first = min(infos, key=lambda i: i.expected_ready())  # type: ignore[arg-type,return-value]
+        expected_s = first.expected_s or 0.0
+        ready_at = max(first.expected_ready() or now, now + RESTART_OVERRUN * expected_s)
+        est = self.core.estimates.get(workers[0])
+        one_s = est.refusal_s(1) if est is not None and est.trusted else 0.0
+        slo_s = self.cfg.model(model).slo_ms / 1000
+        if now + slo_s >= ready_at + one_s:
+            return
+        self._restart_refused[model] = self._restart_refused.get(model, 0) + 1
+        self._event_refused[model] = self._event_refused.get(model, 0) + 1
+        left = ready_at - now
+        err = Unavailable(
+            f"model {model} is restarting: its worker died {now - (first.died_at or now):.1f} s "
+            f"ago and should be ready in about {left:.1f} s (a start takes {expected_s:.1f} s), "
+            f"later than this request's deadline (SLO {slo_s * 1000:g} ms); retry after "
+            f"{math.ceil(left)} s")
+        err.rule = RESTARTING
+        err.retry_after_s = left
+        err.logged = True  # once per restart, when it ends (`_restart_ended`)
+        raise err
+
+    def _restarting(self, model: str) -> bool:
+        """No worker of the model is ready and one is restarting."""
+        sup = self.supervisor
+        workers = self.workers(model)
+        return (isinstance(sup, Supervisor) and not any(sup.is_ready(w) for w in workers)
+                and any(sup.restart_info(w).died_at is not None for w in workers))
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.check_admission(model)
+        core = self.core
+        assert core is not None
         n = next(iter(inputs.values())).shape[0]
         now = self._clock()
         if self.replanner is not None:
@@ -326,6 +420,8 @@ class Runtime:
         got = core.admit(model, n, now, Request(inputs, fut))
         if not isinstance(got, Ticket):
             raise refusal_error(got.reason, got.message)
+        if self._restarting(model):  # it waits for the worker to be back
+            self._event_waited[model] = self._event_waited.get(model, 0) + 1
         stager = self._stager(self.supervisor.worker(core.names[got.model]))
         if stager is not None:
             stager.add(got)  # its rows go into the next batch's half now

@@ -7,7 +7,9 @@ Per model, a small state machine:
 
 - `ready`: the worker takes batches.
 - `restarting`: the worker died; its in-flight batch was failed at once by its handle (no
-  hang); a new worker with the same slice is starting. Other models are untouched.
+  hang); a new worker with the same slice is starting. Other models are untouched. How
+  long that should take is the worker's last measured start-up time (`RestartInfo`), so
+  that the runtime can tell which requests can wait for it.
 - `switching`: a re-plan changed the model's slice; a shadow worker with the new slice is
   started first, then new batches are held until the running one ends, and the shadow
   takes over. Queued requests stay queued.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -52,6 +55,27 @@ class _Slot:
     worker: WorkerHandle | None = None
     held: bool = False  # switching: launch nothing until the shadow is attached
     passive: bool = False  # its CPU threads wait asleep (cores shared with a concurrent model)
+    start_s: float | None = None  # how long its last worker took to start (spawn to ready)
+    died_at: float | None = None  # restarting: when its worker died
+    expected_s: float | None = None  # restarting: how long it should take (start_s then)
+    restarts: int = 0  # restarts that succeeded
+    last_restart_s: float | None = None  # how long the last one took (death to ready)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartInfo:
+    """A worker's restarts (seconds; the supervisor's clock)."""
+
+    died_at: float | None  # restarting now: when its worker died; else None
+    expected_s: float | None  # how long a restart should take: its last measured start
+    count: int  # restarts that succeeded
+    last_s: float | None  # how long the last one took, death to ready
+
+    def expected_ready(self) -> float | None:
+        """When the restart under way should be done (None: none, or never measured)."""
+        if self.died_at is None or self.expected_s is None:
+            return None
+        return self.died_at + self.expected_s
 
 
 def passive_models(slices: Mapping[str, SliceSpec], concurrent: bool) -> frozenset[str]:
@@ -70,15 +94,22 @@ def passive_models(slices: Mapping[str, SliceSpec], concurrent: bool) -> frozens
 class Supervisor:
     """Workers of every model. `on_change` is called (no arguments) whenever a model
     becomes able to take batches again or fails for good, so the dispatcher looks again;
-    `on_failed(model, error)` when a model's worker could not be restarted."""
+    `on_failed(model, error)` when a model's worker could not be restarted;
+    `on_restarted(model, took_s, expected_s)` when it was (before `on_change`); `clock`
+    times starts
+    and restarts (`RestartInfo`)."""
 
     def __init__(self, models: Mapping[str, tuple[ModelConfig, ModelSpec]],
                  slices: SliceBackend, *, on_change: Callable[[], None],
-                 on_failed: Callable[[str, DStackError], None]) -> None:
+                 on_failed: Callable[[str, DStackError], None],
+                 on_restarted: Callable[[str, float, float | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.slices = slices
         self._slots = {name: _Slot(cfg, spec) for name, (cfg, spec) in models.items()}
         self._on_change = on_change
         self._on_failed = on_failed
+        self._on_restarted = on_restarted
+        self._clock = clock
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -110,6 +141,12 @@ class Supervisor:
     def current_slice(self, model: str) -> SliceSpec | None:
         w = self._slots[model].worker
         return w.cfg.slice if w is not None else None
+
+    def restart_info(self, model: str) -> RestartInfo:
+        s = self._slots[model]
+        if s.state is SlotState.RESTARTING:
+            return RestartInfo(s.died_at, s.expected_s, s.restarts, s.last_restart_s)
+        return RestartInfo(None, s.start_s, s.restarts, s.last_restart_s)
 
     # ------------------------------------------------------------------ start / stop
 
@@ -149,14 +186,16 @@ class Supervisor:
             extra_env={**self.slices.worker_env(),
                        **({"OMP_WAIT_POLICY": "PASSIVE"} if s.passive else {})},
         )
+        t0 = self._clock()
         h = WorkerHandle.create(wcfg)
         try:
             await h.start()
         except BaseException:
             await h.kill()
             raise
-        log.info("worker %s ready (pid %s, slice %g%% %s)", name, h.pid, sl.percent,
-                 list(sl.units))
+        s.start_s = self._clock() - t0
+        log.info("worker %s ready in %.1f s (pid %s, slice %g%% %s)", name, s.start_s, h.pid,
+                 sl.percent, list(sl.units))
         return h
 
     def _attach(self, name: str, h: WorkerHandle) -> None:
@@ -187,8 +226,12 @@ class Supervisor:
         s = self._slots[name]
         if s.worker is not h or self._closing:
             return
-        log.error("worker %s (pid %s) died; restarting it", name, h.pid)
         s.state = SlotState.RESTARTING
+        s.died_at = self._clock()
+        s.expected_s = s.start_s
+        expect = f"about {s.start_s:.1f} s, its last start" if s.start_s is not None else "?"
+        log.error("worker %s (pid %s) died; restarting it (expected to take %s)", name, h.pid,
+                  expect)
         self._spawn(self._restart(name, h))
 
     async def _restart(self, name: str, old: WorkerHandle) -> None:
@@ -198,6 +241,7 @@ class Supervisor:
         except DStackError as e:
             log.error("restart of %s failed: %s", name, e)
             s.state = SlotState.FAILED
+            s.died_at = None
             self._on_failed(name, e)
             self._on_change()
             return
@@ -206,7 +250,13 @@ class Supervisor:
         if self._closing:
             await h.stop()
             return
+        took = self._clock() - (s.died_at if s.died_at is not None else self._clock())
+        s.restarts += 1
+        s.last_restart_s = took
+        s.died_at = None
         self._attach(name, h)
+        if self._on_restarted is not None:
+            self._on_restarted(name, took, s.expected_s)
         self._on_change()
 
     def _spawn(self, coro: object) -> None:
