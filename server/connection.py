@@ -78,6 +78,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def send_400_response(self, msg: str) -> None:
+        # What httptools cannot parse (a bad request line, header, Content-Length or chunk
+        # framing): uvicorn answers plain text; our clients read `{"error": ...}`.
+        self._disarm()
+        self.transport.write(error_response(
+            400, "malformed HTTP request: the request line, a header, the Content-Length "
+                 "or the chunked framing could not be parsed"))
+        self.transport.close()
+
     def shutdown(self) -> None:
         if self._reading_body:  # an upload still arriving: refuse it now, never wait for it
             self._abort(503, "server is shutting down; retry on another instance")

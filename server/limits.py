@@ -103,17 +103,21 @@ class BodyLimits:
                     return  # nobody left to answer
                 chunk = msg.get("body", b"")
                 total += len(chunk)
+                # Drain only a body still arriving: the last chunk may be the one over (a
+                # drain would then wait for bytes that never come, holding the socket).
+                more = msg.get("more_body", False)
                 if total > self.max_body_bytes:
-                    await self._too_large(scope, receive, send, "more")
+                    await self._too_large(scope, receive, send,
+                                          f"more than {self.max_body_bytes} bytes", drain=more)
                     return
                 if total > taken:  # chunked (or longer than declared): count as it comes
                     if not self.budget.take(total - taken):
-                        await self._over_budget(scope, receive, send)
+                        await self._over_budget(scope, receive, send, drain=more)
                         return
                     taken = total
                 if chunk:
                     chunks.append(chunk)
-                if not msg.get("more_body", False):
+                if not more:
                     break
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             del chunks
@@ -121,17 +125,20 @@ class BodyLimits:
         finally:
             self.budget.give(taken)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str, *,
+                         drain: bool = True) -> None:
         await refuse(scope, receive, send, 413,
                      f"request body of {size} exceeds the limit of {self.max_body_bytes} bytes",
-                     drain_bytes=self.drain_bytes)
+                     drain_bytes=self.drain_bytes if drain else 0)
 
-    async def _over_budget(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _over_budget(self, scope: Scope, receive: Receive, send: Send, *,
+                           drain: bool = True) -> None:
         b = self.budget
         await refuse(scope, receive, send, 503,
                      f"server busy: request bodies in flight use {b.used_bytes} of "
                      f"{b.limit_bytes} bytes (server.body_budget_bytes); retry later",
-                     headers=[self.retry_after], drain_bytes=self.drain_bytes)
+                     headers=[self.retry_after],
+                     drain_bytes=self.drain_bytes if drain else 0)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
