@@ -51,7 +51,7 @@ def cluster_command(args: argparse.Namespace) -> int:
         return plan_command(cfg, args.nodes, plans=args.plans, time_limit_s=args.time_limit)
     if args.cluster_command == "simulate":
         return fleet_command(cfg, None, args)
-    from dstack.cluster.serving import serve_cluster
+    from server.cluster import serve_cluster  # the HTTP ingress lives above dstack/
 
     return serve_cluster(cfg, host=args.host, port=args.port)
 

@@ -56,6 +56,10 @@ class NodeConfig(_Strict):
     GPU node 1, with `num_gpus: 1`)."""
     resident: tuple[str, ...] = ()
     """Models already loaded there (moving a model costs a start-up)."""
+    cores: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    """CPU node: the cores its workers may use (default: every core its process may use).
+    The node is then planned as a device of `len(cores)` cores: its profiles (measured on
+    `units` cores) are read at the percentages that many cores make (docs/cluster.md)."""
 
     def names(self) -> list[str]:
         if self.count == 1:
@@ -70,6 +74,32 @@ class RayConfig(_Strict):
     """Address a local Ray binds (loopback unless you mean otherwise)."""
 
 
+class IngressConfig(_Strict):
+    """How the ingress calls the nodes, watches them, and re-places models."""
+
+    call_timeout_slo_factor: Annotated[float, Field(ge=1, le=100)] = 2.0
+    """A call to a node is given up after this many times the model's SLO (plus
+    `call_timeout_grace_ms`): a node that hangs costs a request at most that long."""
+    call_timeout_grace_ms: Annotated[float, Field(ge=0)] = 500.0
+    """Added to every call's timeout (the hop through Ray and the transfer of tensors)."""
+    retry_min_slo_fraction: Annotated[float, Field(ge=0, le=1)] = 0.25
+    """A request whose node failed is retried once on another node holding its model if
+    at least this fraction of its SLO is left."""
+    health_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    """Every node is pinged this often."""
+    ping_timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    dead_after: Annotated[int, Field(ge=1, le=100)] = 2
+    """A node that failed this many pings (or calls) in a row, or whose Ray node is gone,
+    is dead: its models are placed again on the survivors."""
+    replace_dead: bool = True
+    """Re-place a dead node's models on the survivors (False: only route around it)."""
+    drain_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """A move stops a model on its old node once its requests there are answered, or
+    after this long."""
+    start_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
+    """A node's runtime (its workers) must be ready within this long."""
+
+
 class ClusterConfig(_Strict):
     server: ServerConfig = ServerConfig()
     """The ingress (one KServe v2 endpoint for the whole cluster)."""
@@ -78,6 +108,10 @@ class ClusterConfig(_Strict):
     rate_headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
     reuse_idle: bool = True
     adapt: AdaptConfig = AdaptConfig()
+    """Re-placement when rates drift: the ingress measures each model's arrival rate
+    (`sample_s`, `ewma_alpha`) and places again when one drifts (`drift`, `hold_s`,
+    `down_hold_s`); the nodes' own runtimes re-plan their slices with it too."""
+    ingress: IngressConfig = IngressConfig()
     ray: RayConfig = RayConfig()
     nodes: list[NodeConfig] = Field(min_length=1)
     models: list[ModelConfig] = Field(min_length=1)

@@ -11,8 +11,10 @@ may still run fewer where more do not pay).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from dstack.cluster.config import ClusterConfig, NodeConfig
 from dstack.common.config import DeployConfig, ModelConfig, PolicyName
@@ -24,6 +26,8 @@ from optimizer.placement import ModelDemand, NodeScore, NodeSpec, Placement, pla
 
 #: Served within this fraction of its rate counts as served whole (`fewest_nodes`).
 SERVED_TOL = 1e-3
+#: A measured rate below this is placed as this (a placement needs rates > 0).
+MIN_RATE_RPS = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,33 @@ class Kind:
     entry: NodeConfig
     profiles: dict[str, Profile]  # by served model name (models it has a profile for)
     backend: SliceBackend
+
+
+def profile_for_cores(prof: Profile, cores: int) -> Profile:
+    """A CPU profile measured on `units` cores read as one of a `cores`-core device: the
+    cells at p% of the measured device (p * units / 100 cores) become p * units / cores %
+    of the smaller one; cells that need more cores than it has are dropped."""
+    units = prof.device.units
+    if prof.device.kind != "cpu" or cores >= units:
+        return prof
+    scale = units / cores
+
+    def pct(p: float) -> float:
+        return round(p * scale, 6)
+
+    cells = tuple(replace(c, percent=pct(c.percent),
+                          requested_percent=None if c.requested_percent is None
+                          else pct(c.requested_percent))
+                  for c in prof.cells if pct(c.percent) <= 100.0 + 1e-6)
+    if not cells:
+        raise ValueError(f"{prof.model}: no profiled slice fits in {cores} core(s)")
+    percentages = tuple(sorted({c.percent for c in cells}))
+    return replace(prof, device=replace(prof.device, units=cores), cells=cells,
+                   percentages=percentages,
+                   knee={b: min(100.0, pct(k)) for b, k in prof.knee.items()},
+                   batch_sizes=tuple(b for b in prof.batch_sizes
+                                     if any(c.batch == b for c in cells)),
+                   provenance=f"{prof.provenance} (read as {cores} of {units} cores)".strip())
 
 
 def worker_memory_mb(prof: Profile, max_batch: int) -> float:
@@ -95,6 +126,8 @@ class ClusterPlanner:
             by_model = load_profiles(entry.profiles)
             profs = {m.name: by_model.get(m.name) or by_model.get(m.zoo) for m in cfg.models}
             have = {k: v for k, v in profs.items() if v is not None}
+            if entry.device.value == "cpu" and entry.cores:
+                have = {k: profile_for_cores(v, len(entry.cores)) for k, v in have.items()}
             if not have:
                 from dstack.common.config import ConfigError
 
@@ -109,10 +142,18 @@ class ClusterPlanner:
         return [NodeSpec(name, e.name, e.memory_mb, frozenset(e.resident))
                 for e in self.cfg.nodes for name in e.names()]
 
-    def demands(self) -> list[ModelDemand]:
+    def rate(self, model: str, rates: Mapping[str, float] | None = None) -> float:
+        """The rate a placement is sized for: `rates[model]` (measured) where given, never
+        below `MIN_RATE_RPS`; else the configured one."""
+        if rates is not None and model in rates:
+            return max(MIN_RATE_RPS, float(rates[model]))
+        return self.models[model].rate_rps
+
+    def demands(self, rates: Mapping[str, float] | None = None) -> list[ModelDemand]:
         grow = 1.0 + self.cfg.rate_headroom
         out = []
-        for m in self.cfg.models:
+        for m0 in self.cfg.models:
+            m = m0.model_copy(update={"rate_rps": self.rate(m0.name, rates)})
             mem: dict[str, float] = {}
             share: dict[str, float] = {}
             need = 1
@@ -170,26 +211,44 @@ class ClusterPlanner:
 
     # -- results ---------------------------------------------------------------------------
 
-    def place(self, *, time_limit_s: float = 8.0, nodes: list[NodeSpec] | None = None
-              ) -> Placement:
-        return place(nodes if nodes is not None else self.nodes(), self.demands(), self.score,
-                     time_limit_s=time_limit_s)
+    def place(self, *, time_limit_s: float = 8.0, nodes: list[NodeSpec] | None = None,
+              rates: Mapping[str, float] | None = None) -> Placement:
+        """Place at the configured rates, or at `rates` (measured) where given."""
+        return place(nodes if nodes is not None else self.nodes(), self.demands(rates),
+                     self.score, time_limit_s=time_limit_s)
 
-    def node_config(self, node: NodeSpec, placement: Placement) -> DeployConfig | None:
-        """The deployment node `node` runs (None: nothing placed there)."""
-        copies = placement.copies.get(node.name, {})
+    def node_config(self, node: NodeSpec, placement: Placement, *,
+                    rates: Mapping[str, float] | None = None,
+                    keep: Mapping[str, int] | None = None) -> DeployConfig | None:
+        """The deployment node `node` runs (None: nothing placed there). `keep`: copies
+        it also keeps for now (a model moving away, until its new node is ready)."""
+        copies = dict(placement.copies.get(node.name, {}))
+        for m, c in (keep or {}).items():
+            copies.setdefault(m, c)
         if not copies:
             return None
         kind = self.kinds[node.kind]
         models = []
         for m, c in copies.items():
-            k = placement.total_copies(m)
+            k = max(1, placement.total_copies(m))
             models.append(self.models[m].model_copy(update={
-                "rate_rps": self.models[m].rate_rps * c / k, "max_replicas": c}))
+                "rate_rps": self.rate(m, rates) * c / k, "max_replicas": c}))
         return DeployConfig(device=kind.entry.device, policy=self.cfg.policy,
                             profiles=kind.entry.profiles, rate_headroom=self.cfg.rate_headroom,
                             reuse_idle=self.cfg.reuse_idle, adapt=self.cfg.adapt,
+                            cores=kind.entry.cores if kind.entry.device.value == "cpu" else None,
                             models=models)
+
+    def node_profiles(self, kind_name: str, models: list[str]) -> dict[str, dict[str, Any]]:
+        """The profiles (as the node's planner reads them: a CPU node's cores applied) of
+        `models` on this kind, as JSON to ship with a node's deployment (a node on another
+        machine need not have the files)."""
+        profs = self.kinds[kind_name].profiles
+        out = {}
+        for m in models:
+            prof = profs[m]
+            out[prof.model] = prof.to_dict()
+        return out
 
     def served_whole(self, placement: Placement) -> list[str]:
         """Models predicted below their rate (empty: every model within its SLO)."""
