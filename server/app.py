@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -202,16 +203,62 @@ def create_app(
             raise Unavailable("server is not ready: some models are not ready")
         return {"ready": True}
 
+    # ------------------------------------------------------------------ repository
+
+    async def repository_body(request: Request) -> dict[str, Any]:
+        body = await read_body(request, max_body_bytes)
+        if not body.strip():
+            return {}
+        try:
+            obj = json.loads(body)
+        except ValueError as e:
+            raise RequestError(f"request body is not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise RequestError("request body must be a JSON object")
+        return obj
+
     @app.post("/v2/repository/index")
-    async def repository_index() -> list[dict[str, str]]:
-        return [
-            {
-                "name": m,
-                "version": MODEL_VERSION,
-                "state": "READY" if backend.is_model_ready(m) else "UNAVAILABLE",
-            }
-            for m in backend.model_names()
-        ]
+    async def repository_index(request: Request) -> list[dict[str, str]]:
+        only_ready = (await repository_body(request)).get("ready") is True
+        index_of = getattr(backend, "repository_index", None)
+        if index_of is not None:  # every model known, loaded or not, with its state
+            entries = [{"name": e.name, "version": MODEL_VERSION, "state": e.state.value,
+                        **({"reason": e.reason} if e.reason else {})} for e in index_of()]
+        else:
+            entries = [{"name": m, "version": MODEL_VERSION,
+                        "state": "READY" if backend.is_model_ready(m) else "UNAVAILABLE"}
+                       for m in backend.model_names()]
+        return [e for e in entries if not only_ready or e["state"] == "READY"]
+
+    def repository(action: str) -> Any:
+        fn = getattr(backend, f"{action}_model", None)
+        if fn is None:
+            raise RequestError(f"this server cannot {action} models at run time")
+        return fn
+
+    @app.post("/v2/repository/models/{model}/load")
+    async def load_model(model: str, request: Request) -> dict[str, Any]:
+        """Triton's load: `{"parameters": {"config": "<the model's config as JSON>"}}`
+        (optional: without it, the config the model was known by)."""
+        params = (await repository_body(request)).get("parameters", {})
+        if not isinstance(params, dict):
+            raise RequestError("parameters must be a JSON object")
+        config = params.get("config")
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except ValueError as e:
+                raise RequestError(f"parameters.config is not JSON: {e}") from None
+        if config is not None and not isinstance(config, dict):
+            raise RequestError("parameters.config must be a JSON object (as a string)")
+        await repository("load")(model, config)
+        return {}
+
+    @app.post("/v2/repository/models/{model}/unload")
+    async def unload_model(model: str, request: Request) -> dict[str, Any]:
+        await repository_body(request)  # parameters (unload_dependents) change nothing here
+        await repository("unload")(model)
+        return {}
 
     # ------------------------------------------------------------------ models
 

@@ -340,6 +340,43 @@ class _Core:
         st.estimate = est
         st.learned()
 
+    # ------------------------------------------------------------------ models
+
+    def add_models(self, models: Sequence[CoreModel], now: float,
+                   groups: Mapping[str, Sequence[str]] | None = None) -> None:
+        """Serve more models (loaded at run time), after the others; `groups` as in the
+        constructor, for the new ones. Hand over to a policy that serves them
+        (`set_policy`) before the next step."""
+        st: _Model
+        for m in models:
+            if m.name in self.index:
+                raise ValueError(f"model {m.name} is served already")
+            st = _Model(m, self.estimates.get(m.name))
+            st.last_done = now
+            self.index[m.name] = len(self._m)
+            self.names.append(m.name)
+            self._m.append(st)
+        self.n_models = len(self._m)
+        for name, members in (groups or {}).items():
+            if len(members) > 1:
+                self.groups[name] = [self.index[r] for r in members]
+
+    def remove_models(self, names: Sequence[str]) -> None:
+        """Stop serving models (unloaded at run time) that have nothing queued or running.
+        Their places stay, empty, so that other tickets' and batches' positions hold; hand
+        over to a policy without them (`set_policy`) before the next step."""
+        st: _Model
+        for name in names:
+            st = self._m[self.index[name]]
+            if st.qlen or st.running:
+                raise ValueError(f"model {name} has requests queued or running")
+        for name in names:
+            st = self._m[self.index.pop(name)]
+            st.dirty = False  # never again: views() leaves it out
+            self._views.pop(name, None)
+            self.estimates.pop(name, None)
+            self.groups.pop(name, None)
+
     # ------------------------------------------------------------------ admission
 
     def admit(self, model: str, n: int, now: float,

@@ -23,6 +23,10 @@ from dstack.runtime.adapt import tracker_for, trigger_for
 log = logging.getLogger("dstack.runtime.replanner")
 
 
+class StalePlan(Exception):
+    """The served models changed (a load or an unload) while the plan was being solved."""
+
+
 class Replanner:
     """`record(model, now)` on every arrival; `run()` is the sampling loop (a task).
     `apply(setup, rates)` is the runtime's hand-over: start shadows, switch, swap."""
@@ -42,6 +46,17 @@ class Replanner:
 
     def record(self, model: str, now: float) -> None:
         self.rates.record(model, now)
+
+    def models_changed(self, cfg: DeployConfig, setup: PolicySetup) -> None:
+        """A model was loaded or unloaded: `setup` is the plan in force for `cfg`'s models
+        (a new model's rate is its configured one until measured)."""
+        self.cfg = cfg
+        self.setup = setup
+        names = [m.name for m in cfg.models]
+        self.rates.models = names
+        planned = self.trigger.planned_rates
+        self.trigger.planned_rates = {m.name: planned.get(m.name, m.rate_rps)
+                                      for m in cfg.models}
 
     async def run(self) -> None:
         period = self.cfg.adapt.sample_s
@@ -65,6 +80,9 @@ class Replanner:
                 return False
             await self._apply(setup, rates)
             self.setup = setup
+        except StalePlan:
+            log.info("re-plan dropped: the served models changed while it was solved")
+            return False
         except Exception:
             log.exception("re-plan failed; keeping the current plan")
             return False

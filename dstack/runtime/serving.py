@@ -51,7 +51,8 @@ from dstack.runtime.dispatch import (
     Ticket,
 )
 from dstack.runtime.messages import BatchDone, Ready
-from dstack.runtime.replanner import Replanner
+from dstack.runtime.replanner import Replanner, StalePlan
+from dstack.runtime.repository import ModelState, RepoEntry, model_config
 from dstack.runtime.shm import Arena
 from dstack.runtime.staging import Stager
 from dstack.runtime.supervisor import RestartInfo, Supervisor, passive_models
@@ -182,6 +183,11 @@ class Runtime:
         self._restart_refused: dict[str, int] = {}
         self._event_refused: dict[str, int] = {}
         self._event_waited: dict[str, int] = {}
+        # The model repository (`dstack.runtime.repository`): every model's config, served
+        # or not, and the state of those not simply served (loading, unloading, unloaded).
+        self.known_configs: dict[str, ModelConfig] = {m.name: m for m in cfg.models}
+        self.repo_state: dict[str, RepoEntry] = {}
+        self._plan_lock = asyncio.Lock()  # one re-plan, load or unload at a time
         self.replanner: Replanner | None = None
         # Double buffering (`double_buffer`): each worker's arena halves, by worker.
         self._stagers: weakref.WeakKeyDictionary[WorkerHandle, Stager] = (
@@ -292,9 +298,82 @@ class Runtime:
         try:
             return self.specs[model]
         except KeyError:
-            raise ModelNotFound(
-                f"unknown model {model!r}; served models: {', '.join(self.specs)}"
-            ) from None
+            pass
+        st = self.repo_state.get(model)
+        if st is not None and st.state is ModelState.LOADING:
+            raise Unavailable(f"model {model} is loading")
+        if st is not None:
+            raise ModelNotFound(f"model {model} is not loaded: {st.reason}; load it with "
+                                f"POST /v2/repository/models/{model}/load")
+        raise ModelNotFound(
+            f"unknown model {model!r}; served models: {', '.join(self.specs)}")
+
+    # ------------------------------------------------------------------ repository
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def repository_index(self) -> list[RepoEntry]:
+        """Every model served, loading, unloading or unloaded, with its state."""
+        out = []
+        for name in self.known_configs:
+            st = self.repo_state.get(name)
+            if st is not None:
+                out.append(st)
+            elif name in self.specs:
+                ready = self.is_model_ready(name)
+                why = "" if ready else ("restarting" if self._restarting(name) else "not ready")
+                out.append(RepoEntry(name, ModelState.READY if ready else ModelState.UNAVAILABLE,
+                                     why))
+        return out
+
+    async def load_model(self, model: str, config: dict[str, object] | None = None) -> bool:
+        """Load `model` (Triton's repository load), with `config` (the model's dstack
+        config, as under `models:`) or the one it was known by. False: it is served with
+        that config already (nothing done). A served model given another config is
+        unloaded (its queue finished) and loaded again with it."""
+        from dstack.runtime import repository
+
+        async with self._plan_lock:
+            if self.core is None or self._closing:
+                raise Unavailable("server is not ready")
+            m = model_config(self, model, config)
+            if model in self.specs:
+                if self.cfg.model(model) == m and model not in self.repo_state:
+                    return False
+                await repository.unload(self, model, "reloading with a new config")
+            await repository.load(self, m)
+            return True
+
+    async def unload_model(self, model: str) -> bool:
+        """Unload `model` (Triton's repository unload). False: it was not loaded."""
+        from dstack.runtime import repository
+
+        async with self._plan_lock:
+            if self.core is None or self._closing:
+                raise Unavailable("server is not ready")
+            if model not in self.specs:
+                if model in self.known_configs:
+                    return False
+                self.spec(model)  # 404
+            await repository.unload(self, model, "unload requested")
+            return True
+
+    def fail_queued(self, worker: str, err: DStackError) -> None:
+        """Fail every request queued for `worker` with `err`."""
+        if self.core is not None:
+            self._fail(self.core.drain(worker), err)
+
+    def models_changed(self, cfg: DeployConfig, setup: PolicySetup, now: float,
+                       estimates: dict[str, LinearLatency]) -> None:
+        """Hand over to the plan for a new set of models (the core has them already)."""
+        assert self.core is not None
+        self.core.set_policy(setup.policy, now, estimates)
+        self.cfg = cfg
+        self.setup = setup
+        if self.replanner is not None:
+            self.replanner.models_changed(cfg, setup)
+        self._wake.set()
 
     def is_ready(self) -> bool:
         return self._ready and all(self.is_model_ready(m) for m in self.specs)
@@ -369,6 +448,9 @@ class Runtime:
         self.spec(model)
         if self._closing or not self._ready or self.core is None:
             raise Unavailable("server is not ready")
+        if self.repo_state and model in self.repo_state:  # being unloaded
+            raise Unavailable(f"model {model} is being unloaded "
+                              f"({self.repo_state[model].reason}): it takes no new requests")
         workers = self.workers(model)
         if not any(self.supervisor.accepting(w) for w in workers):
             raise Unavailable(f"model {model} is not ready")
@@ -439,7 +521,7 @@ class Runtime:
             now = self._clock()
             wake: float | None
             try:
-                s = core.step(now, blocked=self.supervisor.blocked())
+                s = core.step(now, blocked=self._blocked())
                 self._apply(s)
                 wake = s.wake_at
             except Exception as e:  # noqa: BLE001 - the loop must go on for later requests
@@ -457,6 +539,15 @@ class Runtime:
                         await self._wake.wait()
             else:
                 await asyncio.sleep(0)
+
+    def _blocked(self) -> frozenset[str]:
+        """The supervisor's blocked workers that the core serves (a model being loaded
+        has workers before the core has it)."""
+        b = self.supervisor.blocked()
+        if b and self.core is not None:
+            index = self.core.index
+            b = frozenset(n for n in b if n in index)
+        return b
 
     def _apply(self, s: Step) -> None:
         for r in s.refusals:
@@ -570,7 +661,7 @@ class Runtime:
         core = self.core
         assert core is not None
         try:
-            self._apply(core.step(self._clock(), blocked=self.supervisor.blocked()))
+            self._apply(core.step(self._clock(), blocked=self._blocked()))
         except Exception as e:  # noqa: BLE001 - as in the loop: later requests go on
             log.exception("dispatch failed")
             self._fail(core.drain(), BackendError(f"dispatch failed: {e!r}"))
@@ -586,13 +677,18 @@ class Runtime:
         give the core the new policy, all on the event loop."""
         core = self.core
         assert core is not None
-        new_slices = setup.policy.slices()
-        shadows = await self.supervisor.start_shadows(
-            new_slices, passive=passive_models(new_slices, setup.policy.concurrent))
-        await self.supervisor.switch(shadows, core.running)
-        core.set_policy(setup.policy, self._clock(), setup.estimates)
-        self.setup = setup
-        self._wake.set()
+        async with self._plan_lock:
+            current = self.setup
+            if current is not None and ({m.name for m in current.run_cfg.models}
+                                        != {m.name for m in setup.run_cfg.models}):
+                raise StalePlan
+            new_slices = setup.policy.slices()
+            shadows = await self.supervisor.start_shadows(
+                new_slices, passive=passive_models(new_slices, setup.policy.concurrent))
+            await self.supervisor.switch(shadows, core.running)
+            core.set_policy(setup.policy, self._clock(), setup.estimates)
+            self.setup = setup
+            self._wake.set()
 
 
 def _req(t: Ticket) -> Request:

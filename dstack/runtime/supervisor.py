@@ -156,10 +156,7 @@ class Supervisor:
         error after stopping the ones that started). `passive`: see `passive_models`.
         A name in `slices` that is not a model's is a replica of one
         (`dstack.policies.replicas`): another worker for the same model."""
-        for n in slices:
-            if n not in self._slots:
-                base = self._slots[public_name(n)]
-                self._slots[n] = _Slot(base.cfg, base.spec)
+        self._add_replicas(slices)
         names = list(self._slots)
         for n in names:
             self._slots[n].passive = n in passive
@@ -174,6 +171,31 @@ class Supervisor:
             raise errors[0]
         return {n: g.ready_info for n, g in zip(names, got, strict=True)  # type: ignore[union-attr]
                 if isinstance(g, WorkerHandle) and g.ready_info is not None}
+
+    def _add_replicas(self, slices: Mapping[str, SliceSpec]) -> None:
+        for n in slices:
+            if n not in self._slots:
+                base = self._slots[public_name(n)]
+                self._slots[n] = _Slot(base.cfg, base.spec)
+
+    def add_models(self, models: Mapping[str, tuple[ModelConfig, ModelSpec]]) -> None:
+        """Models loaded at run time: their workers start with `start_shadows` (a model
+        with no worker counts as changed) and are attached by `switch`."""
+        for name, (cfg, spec) in models.items():
+            if name in self._slots:
+                raise ValueError(f"model {name} has workers already")
+            self._slots[name] = _Slot(cfg, spec)
+
+    def remove_models(self, names: list[str]) -> list[WorkerHandle]:
+        """Forget models unloaded at run time (workers' names, replicas included); returns
+        their workers, for the caller to stop once nothing runs on them."""
+        out = []
+        for n in names:
+            s = self._slots.pop(n, None)
+            if s is not None and s.worker is not None:
+                s.state = SlotState.STOPPED
+                out.append(s.worker)
+        return out
 
     async def _start(self, name: str, sl: SliceSpec) -> WorkerHandle:
         s = self._slots[name]
@@ -223,8 +245,8 @@ class Supervisor:
 
     def _on_death(self, h: WorkerHandle) -> None:
         name = h.cfg.model
-        s = self._slots[name]
-        if s.worker is not h or self._closing:
+        s = self._slots.get(name)
+        if s is None or s.worker is not h or self._closing:  # None: unloaded
             return
         s.state = SlotState.RESTARTING
         s.died_at = self._clock()
@@ -247,7 +269,7 @@ class Supervisor:
             return
         finally:
             await old.kill()
-        if self._closing:
+        if self._closing or self._slots.get(name) is not s:  # shut down, or unloaded
             await h.stop()
             return
         took = self._clock() - (s.died_at if s.died_at is not None else self._clock())
@@ -267,14 +289,18 @@ class Supervisor:
     # ------------------------------------------------------------------ shadow switch
 
     def changed(self, slices: Mapping[str, SliceSpec]) -> list[str]:
+        """Workers with no worker yet or another slice in `slices` (a model it leaves out,
+        being unloaded, is left as it is)."""
         return [n for n, s in self._slots.items()
-                if s.worker is None or s.worker.cfg.slice != slices[n]]
+                if n in slices and (s.worker is None or s.worker.cfg.slice != slices[n])]
 
     async def start_shadows(self, slices: Mapping[str, SliceSpec], *,
                             passive: frozenset[str] = frozenset()
                             ) -> dict[str, WorkerHandle]:
         """Start a worker with its new slice for every model whose slice changes; all or
-        nothing (a failure stops the shadows that started and raises)."""
+        nothing (a failure stops the shadows that started and raises). A model added by
+        `add_models` gets its first workers here (its replicas too)."""
+        self._add_replicas(slices)
         names = self.changed(slices)
         for n in names:
             self._slots[n].passive = n in passive
