@@ -48,9 +48,17 @@ def send_load(url: str, stop: threading.Event) -> None:
 
 
 def look(driver: webdriver.Chrome) -> dict[str, str]:
-    """Each model's row of the table, as text."""
-    rows = driver.find_elements("css selector", "#table tbody tr")
-    return {r.find_element("css selector", "td").text: r.text for r in rows}
+    """Each model's row of the table, as text, read in one script: the page redraws the
+    table on every poll, so an element found in one call may be gone by the next."""
+    rows = driver.execute_script(
+        "return [...document.querySelectorAll('#table tbody tr')]"
+        ".map(r => [r.cells[0].innerText, r.innerText])")
+    return {name.strip(): text for name, text in rows}
+
+
+def status(driver: webdriver.Chrome) -> str:
+    el = "document.getElementById('status')"
+    return str(driver.execute_script(f"return {el} ? {el}.innerText : ''"))
 
 
 def wait_for(cond, timeout_s: float = 30) -> None:  # noqa: ANN001
@@ -82,7 +90,7 @@ def test_dashboard_in_a_browser(serve, tmp_path: Path) -> None:  # noqa: ANN001
     try:
         driver.get(f"http://{srv.url}/dashboard")
         wait_for(lambda: set(look(driver)) == set(MODELS))
-        wait_for(lambda: driver.find_element("id", "status").text == "live")
+        wait_for(lambda: status(driver) == "live")
         bars = driver.find_elements("css selector", "#schedule svg rect")
         assert len(bars) >= len(MODELS)  # one slot per model in the cycle
         assert len(driver.find_elements("css selector", "#charts svg.chart")) == 6
