@@ -3,18 +3,31 @@ serve many models today, and the devices `dstack cluster plan --nodes auto` need
 
     .venv/bin/python -m bench.bench_cluster [--models 50] [--nodes 8] [--seed 1]
         [--duration 20] [--load 0.7] [--scale-models 200 --scale-nodes 64]
+    .venv/bin/python -m bench.bench_cluster --real [--real-seconds 12] [--target 0.99]
 
-Every figure is predicted or simulated (virtual clock, latencies from the H100 profiles in
-profiles/nvidia-h100-80gb-hbm3): see docs/cluster.md for what each baseline is.
+Without --real every figure is predicted or simulated (virtual clock, latencies from the
+H100 profiles in profiles/nvidia-h100-80gb-hbm3): see docs/cluster.md for what each baseline
+is. --real measures: `dstack cluster serve` (a local Ray on loopback) with two one-core CPU
+nodes, then with one, on a 4-model CPU mix, open-loop Poisson load over HTTP; the highest
+rate at which every model keeps >= 99% of its requests within its SLO, and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
+import subprocess
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import yaml
 
 from dstack.cluster.config import ClusterConfig, parse_cluster
 from dstack.common.types import load_profiles
@@ -54,8 +67,133 @@ def random_cluster(n_models: int, n_nodes: int, seed: int, *, load: float = 0.7,
     }, source=f"random cluster (seed {seed})")
 
 
+#: The real benchmark's 4-model CPU mix (profiles/cpu): (name, zoo model, SLO ms, rate at
+#: scale 1). resnet18 twice, with two SLOs.
+REAL_MIX = (("tiny_cnn", "tiny_cnn", 300, 20.0), ("mobilenet", "mobilenet_v3_small", 400, 10.0),
+            ("resnet18", "resnet18", 600, 4.0), ("resnet18_slow", "resnet18", 1200, 2.0))
+
+
+def real_config(n_nodes: int, plan_scale: float) -> dict[str, Any]:
+    """`n_nodes` one-core CPU nodes (cores 0, 1, ...) serving `REAL_MIX` planned at
+    `plan_scale` x its rates; the placement stays as started (the nodes adapt)."""
+    cpu = Path(__file__).resolve().parent.parent / "profiles" / "cpu"
+    return {
+        "policy": "dstack",
+        "ingress": {"replace_on_drift": False},
+        "nodes": [{"name": f"n{i}", "device": "cpu", "profiles": str(cpu), "memory_mb": 4096,
+                   "num_cpus": 1, "cores": [i]} for i in range(n_nodes)],
+        "models": [{"name": n, "zoo_name": z, "slo_ms": slo, "rate_rps": r * plan_scale,
+                    "max_batch_size": 8} for n, z, slo, r in REAL_MIX],
+    }
+
+
+@contextmanager
+def cluster_serving(config: Path, log: Path, ready_timeout_s: float = 400) -> Iterator[str]:
+    """A `dstack cluster serve` subprocess (its own local Ray) on a free 127.0.0.1 port,
+    ready; stopped by its PID (SIGINT, then kill) on every path. Yields its URL."""
+    from bench.servers import DSTACK, ROOT, free_port, interrupt
+
+    port = free_port()
+    host = f"http://127.0.0.1:{port}"
+    with log.open("w") as lf:
+        proc = subprocess.Popen([str(DSTACK), "cluster", "serve", "--config", str(config),
+                                 "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"cluster exited ({proc.returncode}):\n"
+                                   f"{log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ready in {ready_timeout_s:g} s")
+            try:
+                with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        yield host
+    finally:
+        interrupt(proc, 60)
+
+
+def attainment(out: dict[str, Any]) -> dict[str, float]:
+    """Per model: answered within the SLO / sent (refusals and errors are misses)."""
+    return {m: (o.ok / o.sent if o.sent else 0.0) for m, o in out.items()}
+
+
+def highest_scale(host: str, seconds: float, start: float, target: float, log: list[str]
+                  ) -> float:
+    """The highest scale of `REAL_MIX`'s rates at which every model meets `target`
+    attainment: up by x1.4 from `start` until one misses, then two bisections."""
+    from bench.loads import open_loop, p99
+
+    slos = {n: float(slo) for n, _, slo, _ in REAL_MIX}
+
+    def ok(scale: float) -> bool:
+        rates = {n: r * scale for n, _, _, r in REAL_MIX}
+        out = asyncio.run(open_loop(host, rates, slos, seconds, seed=int(scale * 1000)))
+        att = attainment(out)
+        good = all(a >= target for a in att.values())
+        line = (f"  scale {scale:6.2f} ({sum(rates.values()):6.1f} rps): " + ", ".join(
+            f"{m} {att[m] * 100:5.1f}% ({o.late} late, {o.refused} refused, {o.error} err, "
+            f"p99 {p99(o):.0f} ms)" for m, o in out.items()) + ("  ok" if good else "  MISS"))
+        print(line, flush=True)
+        log.append(line)
+        return good
+
+    asyncio.run(open_loop(host, {n: r for n, _, _, r in REAL_MIX}, slos, 4.0))  # warm up
+    lo, hi = 0.0, start
+    if ok(hi):
+        while ok(hi * 1.4):
+            hi *= 1.4
+            if hi > 200:
+                return hi
+        lo, hi = hi, hi * 1.4
+    else:
+        while lo == 0.0 and hi > start / 8:
+            hi /= 1.6
+            if ok(hi):
+                lo, hi = hi, hi * 1.6
+        if lo == 0.0:
+            return 0.0
+    mid = (lo + hi) / 2
+    return mid if ok(mid) else lo
+
+
+def run_real(seconds: float, target: float, outdir: Path) -> int:
+    """Two one-core CPU nodes against one, on `REAL_MIX`, through `dstack cluster serve`."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    results: dict[int, float] = {}
+    log: list[str] = []
+    for n_nodes, plan_scale, start in ((1, 2.0, 1.0), (2, 4.0, 2.0)):
+        cfg = outdir / f"cluster-{n_nodes}.yaml"
+        cfg.write_text(yaml.safe_dump(real_config(n_nodes, plan_scale)))
+        print(f"{n_nodes} one-core node(s), planned at scale {plan_scale:g}; load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        with cluster_serving(cfg, outdir / f"cluster-{n_nodes}.log") as host:
+            placed = json.loads(urllib.request.urlopen(host + "/v1/cluster").read())
+            print(f"  placement: {placed['serving']}", flush=True)
+            results[n_nodes] = highest_scale(host, seconds, start, target, log)
+        rate = results[n_nodes] * sum(r for *_, r in REAL_MIX)
+        print(f"{n_nodes} node(s): highest scale {results[n_nodes]:.2f} ({rate:.1f} rps) with "
+              f"every model >= {target * 100:g}% within its SLO", flush=True)
+    ratio = results[2] / results[1] if results[1] else float("inf")
+    print(f"\ntwo one-core nodes / one: {ratio:.2f}x the highest rate at >= "
+          f"{target * 100:g}% attainment (target >= 1.5x); load average at the end "
+          f"{os.getloadavg()[0]:.2f} (a shared 2-core machine: indicative)")
+    (outdir / "result.json").write_text(json.dumps(
+        {"scale": results, "ratio": ratio, "trials": log}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--real", action="store_true",
+                    help="the real benchmark: two one-core CPU nodes vs one on Ray (REAL_MIX)")
+    ap.add_argument("--real-seconds", type=float, default=12.0, help="seconds per trial")
+    ap.add_argument("--target", type=float, default=0.99, help="attainment every model needs")
+    ap.add_argument("--out", default="out/bench-cluster", help="configs and logs (--real)")
     ap.add_argument("--models", type=int, default=50)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
@@ -64,6 +202,8 @@ def main() -> int:
     ap.add_argument("--scale-models", type=int, default=200)
     ap.add_argument("--scale-nodes", type=int, default=64)
     args = ap.parse_args()
+    if args.real:
+        return run_real(args.real_seconds, args.target, Path(args.out))
     from dstack.cluster.fleet import format_fleet, ray_serve_copies, simulate_fleet
     from dstack.cluster.planning import ClusterPlanner
     from dstack.common.config import PolicyName

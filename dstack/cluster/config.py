@@ -93,6 +93,9 @@ class IngressConfig(_Strict):
     is dead: its models are placed again on the survivors."""
     replace_dead: bool = True
     """Re-place a dead node's models on the survivors (False: only route around it)."""
+    replace_on_drift: bool = True
+    """Re-place when the measured rates drift (`adapt`); False: the placement stays as
+    started (the nodes' own runtimes still adapt their plans)."""
     drain_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
     """A move stops a model on its old node once its requests there are answered, or
     after this long."""

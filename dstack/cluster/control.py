@@ -101,7 +101,7 @@ class ClusterController:
                 next_sample = now + self.cfg.adapt.sample_s
                 rates = self.backend.tracker.sample(now)
                 self.measured = rates
-                if self.trigger.should_replan(now, rates):
+                if self.cfg.ingress.replace_on_drift and self.trigger.should_replan(now, rates):
                     await self.replace(rates, "rates drifted")
 
     async def stop(self) -> None:
