@@ -91,7 +91,7 @@ def real_config(n_nodes: int, plan_scale: float) -> dict[str, Any]:
 def cluster_serving(config: Path, log: Path, ready_timeout_s: float = 400) -> Iterator[str]:
     """A `dstack cluster serve` subprocess (its own local Ray) on a free 127.0.0.1 port,
     ready; stopped by its PID (SIGINT, then kill) on every path. Yields its URL."""
-    from bench.servers import DSTACK, ROOT, free_port, interrupt
+    from bench.servers import DSTACK, ROOT, free_port, interrupt, wait_ready
 
     port = free_port()
     host = f"http://127.0.0.1:{port}"
@@ -100,18 +100,7 @@ def cluster_serving(config: Path, log: Path, ready_timeout_s: float = 400) -> It
                                  "--host", "127.0.0.1", "--port", str(port)],
                                 stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"cluster exited ({proc.returncode}):\n"
-                                   f"{log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster not ready in {ready_timeout_s:g} s")
-            try:
-                with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        wait_ready(proc, host, log, ready_timeout_s, "cluster")
         yield host
     finally:
         interrupt(proc, 60)

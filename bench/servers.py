@@ -47,23 +47,30 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[S
             [str(DSTACK), "serve", "--config", str(config), "--host", "127.0.0.1",
              "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in {ready_timeout_s:g} s")
-            try:
-                with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.3)
+        wait_ready(proc, host, log, ready_timeout_s)
         srv = Server(host, proc.pid, log)
         for m, pid in re.findall(r"worker (\S+) ready \(pid (\d+)", log.read_text()):
             srv.worker_pids[m] = int(pid)
         yield srv
     finally:
         interrupt(proc, 20)
+
+
+def wait_ready(proc: subprocess.Popen[Any], host: str, log: Path, timeout_s: float,
+               what: str = "server") -> None:
+    """Poll `host`'s readiness endpoint until it answers; raise with the log's tail if the
+    process exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready in {timeout_s:g} s")
+        try:
+            with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
 
 
 def interrupt(proc: subprocess.Popen[Any], grace_s: float) -> None:

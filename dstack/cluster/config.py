@@ -22,7 +22,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dstack.common.config import (
@@ -32,6 +31,7 @@ from dstack.common.config import (
     ModelConfig,
     PolicyName,
     ServerConfig,
+    read_yaml_mapping,
 )
 
 
@@ -151,15 +151,7 @@ def parse_cluster(data: object, *, source: str = "cluster config") -> ClusterCon
 def load_cluster(path: str | Path) -> ClusterConfig:
     """Read and validate a cluster file; relative paths are taken from its directory."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such cluster file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    cfg = parse_cluster(raw, source=str(path))
+    cfg = parse_cluster(read_yaml_mapping(path, "cluster"), source=str(path))
     base = path.parent
 
     def fix(p: Path | None) -> Path | None:

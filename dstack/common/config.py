@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -213,19 +213,24 @@ def parse_config(data: object, *, source: str = "config") -> DeployConfig:
         raise ConfigError(f"{source} is invalid:\n{_format_errors(e)}") from None
 
 
-def load_config(path: str | Path) -> DeployConfig:
-    """Read and validate a deployment YAML file. Relative paths in it are taken relative
-    to the file's directory."""
-    path = Path(path)
+def read_yaml_mapping(path: Path, what: str = "config") -> dict[str, Any]:
+    """A YAML file whose top level is a mapping, or a ConfigError saying what is wrong."""
     try:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        raise ConfigError(f"{path}: no such {what} file") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    cfg = parse_config(raw, source=str(path))
+    return raw
+
+
+def load_config(path: str | Path) -> DeployConfig:
+    """Read and validate a deployment YAML file. Relative paths in it are taken relative
+    to the file's directory."""
+    path = Path(path)
+    cfg = parse_config(read_yaml_mapping(path), source=str(path))
     return _resolve_paths(cfg, path.parent)
 
 
