@@ -97,7 +97,7 @@ class ClusterBackend:
 
     def __init__(self, cfg: ClusterConfig, nodes: list[NodeState], *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from dstack.runtime.serving import served_spec
+        from dstack.runtime.specs import served_spec
 
         self.cfg = cfg
         self.nodes = {n.name: n for n in nodes}

@@ -33,6 +33,7 @@ from dstack.policies.planning import (
 )
 from dstack.policies.replicas import public_name, replica_groups, replica_names
 from dstack.runtime.dispatch import CoreModel
+from dstack.runtime.specs import served_spec
 from dstack.runtime.supervisor import Supervisor, passive_models
 
 if TYPE_CHECKING:
@@ -108,8 +109,6 @@ def _supervisor(rt: Runtime) -> Supervisor:
 async def load(rt: Runtime, m: ModelConfig) -> None:
     """Serve `m` (not served now): plan, start its workers (and shadows), switch, hand
     over. On failure nothing served changes and the model is UNAVAILABLE with why."""
-    from dstack.runtime.serving import served_spec
-
     sup = _supervisor(rt)
     core = rt.core
     assert core is not None and rt.setup is not None

@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from dstack.common.backend import ModelStats
-from dstack.common.config import ConfigError, DeployConfig, ModelConfig, PolicyName
+from dstack.common.config import DeployConfig, ModelConfig, PolicyName
 from dstack.common.errors import (
     BackendError,
     DeadlineRefused,
@@ -54,6 +54,7 @@ from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.replanner import Replanner, StalePlan
 from dstack.runtime.repository import ModelState, RepoEntry, model_config
 from dstack.runtime.shm import Arena
+from dstack.runtime.specs import served_spec
 from dstack.runtime.staging import Stager
 from dstack.runtime.supervisor import RestartInfo, Supervisor, passive_models
 from dstack.runtime.worker import WorkerHandle, WorkerState
@@ -100,34 +101,6 @@ def refusal_error(reason: RefusalReason, message: str) -> DStackError:
                         else DeadlineRefused(message))
     err.rule = reason.value
     return err
-
-
-def served_spec(m: ModelConfig) -> ModelSpec:
-    """The zoo's spec with the configured max batch (or one built from the config for a
-    TorchScript / builder model outside the zoo)."""
-    import models
-    from dstack.common.types import DType, TensorSpec
-
-    try:
-        base = models.spec(m.zoo)
-    except models.ModelZooError as e:
-        if m.input_shape is None or m.num_classes is None:
-            if m.torchscript is not None or m.builder is not None:
-                raise ConfigError(
-                    f"models.{m.name}: not in the zoo, so give input_shape and num_classes"
-                ) from None
-            raise ConfigError(f"models.{m.name}: {e}") from None
-        base = ModelSpec(
-            m.name,
-            (TensorSpec("input", DType.FP32, (-1, *m.input_shape)),),
-            (TensorSpec("output", DType.FP32, (-1, m.num_classes)),),
-            m.max_batch_size,
-        )
-    if m.input_shape is not None:
-        base = ModelSpec(base.name, (TensorSpec(base.inputs[0].name, base.inputs[0].datatype,
-                                                (-1, *m.input_shape)), *base.inputs[1:]),
-                         base.outputs, base.max_batch_size)
-    return ModelSpec(m.name, base.inputs, base.outputs, m.max_batch_size)
 
 
 def default_slices(cfg: DeployConfig) -> SliceBackend:

@@ -29,8 +29,9 @@ from dstack.policies.planning import served_profiles, setup_policy
 from dstack.policies.replicas import public_name, replica_groups
 from dstack.runtime.dispatch import DispatchCore, Refusal, Step, Ticket
 from dstack.runtime.messages import BatchDone, Ready
-from dstack.runtime.serving import Runtime, served_spec
+from dstack.runtime.serving import Runtime
 from dstack.runtime.shm import NUMPY_DTYPE
+from dstack.runtime.specs import served_spec
 from dstack.simulate.engine import SimModel, run
 from dstack.simulate.latency import latency_table_s
 from dstack.simulate.workload import generate

@@ -10,7 +10,7 @@ from torch import nn
 
 import models
 from dstack.common.config import ConfigError, PolicyName, load_config
-from dstack.runtime.serving import served_spec
+from dstack.runtime.specs import served_spec
 
 
 def test_zoo_has_torchvision_classifiers_and_tiny_cnn_with_batch_dim_specs() -> None:
