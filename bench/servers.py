@@ -49,7 +49,7 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[S
     try:
         wait_ready(proc, host, log, ready_timeout_s)
         srv = Server(host, proc.pid, log)
-        for m, pid in re.findall(r"worker (\S+) ready \(pid (\d+)", log.read_text()):
+        for m, pid in re.findall(r"worker (\S+) ready (?:in \S+ s )?\(pid (\d+)", log.read_text()):
             srv.worker_pids[m] = int(pid)
         yield srv
     finally:
