@@ -100,11 +100,14 @@ def replica_counts(cfg: DeployConfig, profiles: dict[str, Profile],
         run = expand(cfg, counts)
         return plan_lanes(run, _replica_profiles(run, profiles), backend)[0]
 
-    counts = choose(cfg, wanted(cfg, profiles, min_pct), lambda c: plan(c).objective)
     low = [m for m in cfg.models if m.priority is Priority.LOW]
-    if low and len(low) < len(cfg.models):  # gap fillers: a worker per lane they fit
+    fills = low if len(low) < len(cfg.models) else []  # low ones only fill gaps: below
+    candidates = {m: r for m, r in wanted(cfg, profiles, min_pct).items()
+                  if m not in {f.name for f in fills}}
+    counts = choose(cfg, candidates, lambda c: plan(c).objective)
+    if fills:  # gap fillers: a worker per lane they fit
         planned = plan(counts)
-        for m in low:
+        for m in fills:
             counts[m.name] = max(1, min(m.max_replicas, gap_lanes(planned, profiles[m.name])))
     return counts
 

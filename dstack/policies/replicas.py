@@ -9,8 +9,8 @@ slice, as Triton's `instance_group { count: N }` does.
 Here a replica is an ordinary model to everything below the HTTP layer: `m`, `m#1`,
 `m#2`, ... each with its own worker, queue, lane and latency estimate, and `1/R` of the
 model's rate. The names cannot clash with served names (`#` is not allowed in one). The
-dispatch core routes each request of `m` to the replica that will start it soonest
-(`dstack.runtime.dispatch`), and counters are summed back per model.
+dispatch core routes each request of `m` to the replica with the fewest items waiting, an
+idle one first (`dstack.runtime.dispatch`), and counters are summed back per model.
 
 How many: for each model with a known rate, each configuration (a batch b on a slice p)
 needs R = ceil(r / (1000 b / L(b, p))) workers to carry the planned rate r, at most
