@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies bench-batching bench-priority clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies bench-batching bench-priority chaos soak clean
 
 setup: $(BUILT)
 
@@ -112,6 +112,22 @@ BENCH_PRIORITY_ARGS ?=
 
 bench-priority: $(BUILT)
 	$(PY) -m bench.bench_priority $(BENCH_PRIORITY_ARGS)
+
+# Overload (1x/2x/4x of capacity), worker kill -9, big JSON bodies, slowloris, stalled
+# uploads, SIGTERM under load and 100,000 fuzzed requests against real CPU servers; one
+# table, every number in out/chaos/chaos.json (docs/reliability.md; ~35 minutes, most of
+# it the fuzzer). E.g. CHAOS_ARGS="--only overload slowloris --fuzz 10000".
+CHAOS_ARGS ?=
+
+chaos: $(BUILT)
+	$(PY) -m bench.bench_chaos $(CHAOS_ARGS)
+
+# 30 minutes at 70% of capacity: attainment and memory start/end (not in the suite).
+# E.g. SOAK_ARGS="--minutes 5".
+SOAK_ARGS ?=
+
+soak: $(BUILT)
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -30,7 +30,7 @@ from tests.integration.fakes import SPECS, FakeBackend
 LIMIT = 256 * 1024
 # "broken" fails on purpose (500): the fuzzer aims at the models that work.
 MODELS = {m: model_metadata(SPECS[m]) for m in ("double", "flip")}
-EXAMPLES = 2500
+EXAMPLES = 2000
 
 
 class Sender:
@@ -192,18 +192,18 @@ def test_fuzzed_requests_on_the_wire(wire: tuple[str, int]) -> None:
     """The generator's cases through a real socket, some with HTTP-level lies."""
     rng = random.Random(11)
     statuses: dict[int, int] = {}
-    for _ in range(300):
+    for _ in range(200):
         case = fuzz_case(rng, MODELS, max_body_bytes=LIMIT)
         raw, lie = wire_bytes(case, rng, lie_rate=0.15)
         status, headers, body = parse_status(exchange(wire, raw))
         where = f"{case.mutations} {lie}: {status} {body[:200]!r}"
         if status == 0 and lie in UNFRAMED and len(raw) > 65536:
-            continue  # not HTTP: closed at once, unread bytes reset the answer (as nginx)
+            continue  # not HTTP: closed at once; the unread bytes make the kernel reset it
         assert 200 <= status < 500, where
         if status >= 400:
             assert decode_json_error(body) is not None, where
         statuses[status] = statuses.get(status, 0) + 1
-    assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 150, statuses
+    assert statuses.get(200, 0) >= 12 and statuses.get(400, 0) >= 100, statuses
 
 
 def test_bytes_beyond_the_content_length_get_a_json_400(wire: tuple[str, int]) -> None:

@@ -1,0 +1,296 @@
+"""Load for the chaos benchmark (`bench/bench_chaos.py`) and the soak (`bench/soak.py`):
+open-loop Poisson infer requests with every outcome counted (refusals by the reason in
+their JSON body, and how long a refusal took), the process's RSS, slowloris sockets,
+stalled uploads, and the fuzzer's cases on raw sockets.
+
+Outcomes, per request: `ok` (200 within the SLO), `late` (200 after it), `refused` (429
+by its body's "reason"; 503 with Retry-After as "unavailable"), `other_4xx`, `err_5xx`
+(any other 5xx), `hung` (no answer within `hang_s`), `conn` (the connection failed: refused
+or reset, e.g. a server shutting down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire_bytes
+from bench.loads import one_item_body
+from bench.servers import get_json
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    ok: int = 0
+    late: int = 0
+    refused: Counter = field(default_factory=Counter)  # reason -> count
+    other_4xx: int = 0
+    err_5xx: int = 0
+    hung: int = 0
+    conn: int = 0
+    latencies_ms: list[float] = field(default_factory=list)  # answered 200
+    refusal_ms: list[float] = field(default_factory=list)  # time to a 429 / 503
+    refusal_ms_by_reason: dict[str, list[float]] = field(default_factory=dict)
+    non_json_errors: int = 0  # a 4xx / 5xx whose body is not {"error": ...}
+    samples_5xx: list[str] = field(default_factory=list)
+
+    def add(self, other: Tally) -> None:
+        for k in ("sent", "ok", "late", "other_4xx", "err_5xx", "hung", "conn",
+                  "non_json_errors"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.refused.update(other.refused)
+        self.latencies_ms += other.latencies_ms
+        self.refusal_ms += other.refusal_ms
+        for k, v in other.refusal_ms_by_reason.items():
+            self.refusal_ms_by_reason.setdefault(k, []).extend(v)
+        self.samples_5xx += other.samples_5xx[:3]
+
+    @property
+    def accepted(self) -> int:
+        return self.ok + self.late
+
+    def record(self, status: int, body: bytes, headers: Any, ms: float, slo_ms: float) -> None:
+        self.sent += 1
+        if status == 200:
+            self.latencies_ms.append(ms)
+            if ms <= slo_ms:
+                self.ok += 1
+            else:
+                self.late += 1
+            return
+        err = decode_json_error(body)
+        if err is None:
+            self.non_json_errors += 1
+        if status == 429 or (status == 503 and headers.get("retry-after") is not None):
+            reason = "unavailable"
+            if status == 429:
+                try:
+                    reason = str(json.loads(body).get("reason", "unspecified"))
+                except ValueError:
+                    reason = "unspecified"
+            self.refused[reason] += 1
+            self.refusal_ms.append(ms)
+            self.refusal_ms_by_reason.setdefault(reason, []).append(ms)
+        elif 400 <= status < 500:
+            self.other_4xx += 1
+        else:
+            self.err_5xx += 1
+            if len(self.samples_5xx) < 3:
+                self.samples_5xx.append(f"{status} {body[:200]!r}")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def rss_mb(pid: int, key: str = "VmRSS:") -> float:
+    """RSS (VmRSS) or, with key="VmHWM:", peak RSS of a process in MB; NaN if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used; NaN if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
+                    duration_s: float, *, seed: int = 1, hang_s: float = 10.0,
+                    max_inflight: int = 1024, stop: asyncio.Event | None = None
+                    ) -> dict[str, Tally]:
+    """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (or until
+    `stop` is set); each request one item, binary. Latency from send to full answer."""
+    import aiohttp
+
+    rng = np.random.default_rng(seed)
+    metas = {m: get_json(f"{host}/v2/models/{m}") for m in rates}
+    bodies = {m: one_item_body(metas[m]) for m in rates}
+    out = {m: Tally() for m in rates}
+    sem = asyncio.Semaphore(max_inflight)
+    conn = aiohttp.TCPConnector(limit=max_inflight)
+    timeout = aiohttp.ClientTimeout(total=hang_s)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+
+        async def one(m: str) -> None:
+            t = out[m]
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    body, headers = bodies[m]
+                    async with http.post(f"{host}/v2/models/{m}/infer", data=body,
+                                         headers=headers) as r:
+                        data = await r.read()
+                        status, rh = r.status, r.headers
+                except TimeoutError:
+                    t.sent += 1
+                    t.hung += 1
+                    return
+                except aiohttp.ClientError:
+                    t.sent += 1
+                    t.conn += 1
+                    return
+                t.record(status, data, rh, (time.perf_counter() - t0) * 1000, slos_ms[m])
+
+        arrivals: list[tuple[float, str]] = []
+        for m, rate in rates.items():
+            if rate <= 0:
+                continue
+            times = np.cumsum(rng.exponential(1 / rate, int(rate * duration_s * 2) + 10))
+            arrivals += [(float(x), m) for x in times[times < duration_s]]
+        arrivals.sort()
+        t_start = time.perf_counter()
+        tasks = []
+        for at, m in arrivals:
+            if stop is not None and stop.is_set():
+                break
+            delay = t_start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(m)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+def total(tallies: dict[str, Tally]) -> Tally:
+    t = Tally()
+    for x in tallies.values():
+        t.add(x)
+    return t
+
+
+# ------------------------------------------------------------------ hostile sockets
+
+
+async def half_headers(host: str, port: int, n: int) -> list[tuple[asyncio.StreamReader,
+                                                                    asyncio.StreamWriter]]:
+    """`n` connections that each send half a request header and stop (slowloris)."""
+    socks = []
+    for _ in range(n):
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        await w.drain()
+        socks.append((r, w))
+    return socks
+
+
+async def closed_within(socks: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+                        t_open: float, limit_s: float) -> tuple[int, float, list[bytes]]:
+    """How many of `socks` the server closed within `limit_s` of `t_open`, the time the
+    last one closed (s after `t_open`), and what the server sent on them (a few)."""
+    closed_at: list[float] = []
+    said: list[bytes] = []
+
+    async def watch(r: asyncio.StreamReader) -> None:
+        try:
+            data = await asyncio.wait_for(r.read(), timeout=max(0.1, t_open + limit_s
+                                                               - time.monotonic()))
+            closed_at.append(time.monotonic() - t_open)
+            if data and len(said) < 3:
+                said.append(data[:200])
+        except (TimeoutError, ConnectionError):
+            pass
+
+    await asyncio.gather(*(watch(r) for r, _ in socks))
+    for _, w in socks:
+        w.close()
+    return len(closed_at), max(closed_at, default=float("nan")), said
+
+
+async def stalled_uploads(host: str, port: int, n: int, declared: int, sent: int,
+                          wait_s: float) -> Counter:
+    """`n` uploads that declare `declared` bytes, send `sent` and stop: what each got
+    within `wait_s` (status, "closed" with nothing, or "hung")."""
+    async def one() -> str:
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % declared
+                + b"{" + b" " * (sent - 1))
+        await w.drain()
+        try:
+            data = await asyncio.wait_for(r.read(), wait_s)
+        except TimeoutError:
+            return "hung"
+        except ConnectionError:
+            return "reset"
+        finally:
+            w.close()
+        status, _, body = parse_status(data)
+        if not status:
+            return "closed"
+        return f"{status}" + ("" if decode_json_error(body) else " (not JSON)")
+
+    return Counter(await asyncio.gather(*(one() for _ in range(n))))
+
+
+async def fuzz(host: str, port: int, models: dict[str, dict[str, Any]], n: int, *,
+               seed: int, concurrency: int, max_body_bytes: int, hang_s: float
+               ) -> tuple[Counter, Tally, list[str]]:
+    """`n` fuzzer cases on raw sockets (some with HTTP-level lies), `concurrency` at a
+    time: status counts, a tally (5xx, hung, non-JSON errors), and examples of the bad."""
+    rng = random.Random(seed)
+    statuses: Counter = Counter()
+    tally = Tally()
+    bad: list[str] = []
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * concurrency)
+
+    async def worker() -> None:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            case, raw, lie = item
+            try:
+                r, w = await asyncio.open_connection(host, port)
+            except OSError:
+                tally.conn += 1
+                continue
+            try:
+                w.write(raw)
+                data = await asyncio.wait_for(r.read(), hang_s)
+            except TimeoutError:
+                tally.hung += 1
+                if len(bad) < 5:
+                    bad.append(f"hung: {case.mutations} {lie}")
+                continue
+            except ConnectionError:
+                data = b""
+            finally:
+                w.close()
+            status, _, body = parse_status(data)
+            statuses[status] += 1
+            tally.sent += 1
+            if status >= 500 or (status >= 400 and decode_json_error(body) is None):
+                tally.err_5xx += status >= 500
+                tally.non_json_errors += status < 500
+                if len(bad) < 5:
+                    bad.append(f"{status}: {case.mutations} {lie} {body[:150]!r}")
+
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    for _ in range(n):
+        case = fuzz_case(rng, models, max_body_bytes=max_body_bytes, over_limit_rate=0.005)
+        raw, lie = wire_bytes(case, rng, lie_rate=0.05)
+        await queue.put((case, raw, lie))
+    for _ in workers:
+        await queue.put(None)
+    await asyncio.gather(*workers)
+    return statuses, tally, bad
