@@ -279,6 +279,13 @@ async def fuzz(host: str, port: int, models: dict[str, dict[str, Any]], n: int, 
             status, _, body = parse_status(data)
             statuses[status] += 1
             tally.sent += 1
+            if status == 429:
+                try:
+                    tally.refused[str(json.loads(body).get("reason", "unspecified"))] += 1
+                except ValueError:
+                    tally.refused["unspecified"] += 1
+            elif 400 <= status < 500:
+                tally.other_4xx += 1
             if status >= 500 or (status >= 400 and decode_json_error(body) is None):
                 tally.err_5xx += status >= 500
                 tally.non_json_errors += status < 500
