@@ -152,9 +152,25 @@ def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBa
                                   f"model's rate ({lm.rate_rps:.1f} rps planned), and the "
                                   f"others serve more requests within SLO without it"))
     placed = _place_fills(inst, choice, fills, unserved)
+    lone = {}
+    for ev in choice.lanes:
+        if len(ev.members) == 1:
+            lm = inst.models[ev.members[0]]
+            lone[lm.name] = lone_latencies(profiles[lm.name], lm.batches[-1], ev.width)
     plan, sched = _realise(inst, choice, backend, unserved, time.perf_counter() - t0,
-                           infeasible, placed)
+                           infeasible, placed, lone)
     return plan, sched, ref
+
+
+def lone_latencies(profile: Profile, max_batch: int, width: float) -> tuple[float, ...]:
+    """The profile's latency (ms) on a `width`% lane for batches 1..max_batch, made
+    non-decreasing (a batch may always be cut to a smaller one that took longer)."""
+    lat = planning_latency(profile, margin=0.0)
+    out, top = [], 0.0
+    for b in range(1, max_batch + 1):
+        top = max(top, lat(b, width))
+        out.append(round(top, 4))
+    return tuple(out)
 
 
 _Fill = tuple[LaneModel, int, float]  # a low-priority model, its cap, its predicted rps
@@ -225,7 +241,8 @@ def _place_fills(inst: LaneInstance, choice: LaneChoice, fills: list[LaneModel],
 def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
              unserved: list[tuple[str, str]], solve_s: float,
              infeasible: bool = False,
-             fills: dict[int, list[_Fill]] | None = None) -> tuple[LanePlan, Schedule]:
+             fills: dict[int, list[_Fill]] | None = None,
+             lone: dict[str, tuple[float, ...]] | None = None) -> tuple[LanePlan, Schedule]:
     cores = tuple(backend.whole().units)
     nxt = 0
     lanes: list[Lane] = []
@@ -250,7 +267,8 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
                           tuple(inst.models[i].name for i in ev.members
                                 if inst.models[i].low or inst.models[i].name in short),
                           fill=tuple(f.name for f, _, _ in gap_fill),
-                          gap_ms=lane_gap_ms(inst, ev) if gap_fill else None))
+                          gap_ms=lane_gap_ms(inst, ev) if gap_fill else None,
+                          lone_ms=(lone or {}).get(names[0], ()) if len(names) == 1 else ()))
         for f, cap, served in gap_fill:  # no slot: it runs only in the lane's idle time
             lat = f.latency(cap, ev.width)
             mplans.append(ModelPlan(f.name, cap, spec.percent, lat, 1000.0 * cap / lat,

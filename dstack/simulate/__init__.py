@@ -4,13 +4,20 @@
 - `latency`: L(b, p) for any batch and slice from a profile (interpolation rules there).
 - `engine`: the discrete-event loop mirroring `dstack.runtime.serving` (admission, refusal,
   dispatch, contention by processor sharing).
-- `ideal`: the ideal bound, an LP over the profiles that no policy can beat.
+- `ideal`: the ideal bound that no policy can beat: the trace bound (per-request costs
+  from the arrivals, time windows) under the fluid LP over the profiles.
 - `simulation`: sets up each policy with `dstack.policies.planning.setup_policy` and runs it.
 - `report`, `plot`, `cli`: numbers, pictures, the command.
 """
 
 from dstack.simulate.engine import RunResult, SimModel, run
-from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
+from dstack.simulate.ideal import (
+    TraceModel,
+    cost_per_request_s,
+    fluid_bound,
+    ideal_bound_rps,
+    trace_bound_rps,
+)
 from dstack.simulate.latency import latency_ms, latency_table_s
 from dstack.simulate.report import PolicyReport, format_table
 from dstack.simulate.simulation import Simulation, backend_for, simulate
@@ -21,6 +28,7 @@ __all__ = [
     "PolicyReport",
     "RunResult",
     "SimModel",
+    "TraceModel",
     "Simulation",
     "WorkloadError",
     "backend_for",
@@ -34,5 +42,6 @@ __all__ = [
     "read_trace",
     "run",
     "simulate",
+    "trace_bound_rps",
     "write_trace",
 ]

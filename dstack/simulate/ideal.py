@@ -31,7 +31,11 @@ its SLO completes by H, and the device has H device-seconds in [0, H].
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from dstack.common.types import Profile
 from dstack.simulate.latency import latency_ms
@@ -75,3 +79,109 @@ def ideal_bound_rps(costs: Mapping[str, float], arrived: Mapping[str, int], dura
 def fluid_bound(costs: Mapping[str, float], rates: Mapping[str, float]) -> float:
     """The fluid scheduler's goodput (rps) at steady nominal rates."""
     return sum(ideal_goodput(costs, rates, 1.0).values())
+
+
+# --------------------------------------------------------------------------- the trace bound
+#
+# The LP above charges every request its model's cheapest cost c_m, as if each batch of b
+# found b requests waiting the moment it could start, and lets a burst borrow device time
+# from the quiet seconds before and after it. Both are impossible within an SLO, and where
+# SLOs are tight or load comes in bursts the LP is far above what any schedule can reach.
+# The trace bound keeps the LP's argument and adds two facts about the arrivals
+# (docs/simulator.md, "The trace bound", has the proof):
+#
+# 1. A request i answered within its SLO S ran in some batch of n items on p%, started at
+#    s >= a_i and finished by a_i + S, so L(n, p) <= S. If k of that batch's items were
+#    answered in time, all k arrived in [s - (S - L(n, p)), s]: a window of length
+#    S - L(n, p) that holds a_i. With L^(k, p) = min over n >= k of L(n, p), the batch
+#    costs p/100 L(n, p) >= k c_i, where
+#        c_i = min { p/100 L^(k, p) / k : some window of length S - L^(k, p) holds a_i
+#                                          and k arrivals of its model }.
+#    So the on-time requests of a batch are charged no more than it consumed.
+# 2. Requests arriving in [jT, (j+1)T) with SLOs <= s run all their batches inside
+#    [jT, (j+1)T + s), and the device gives at most T + s device-seconds there.
+#
+# The bound is the fewest of: the LP with c_i over the whole run (horizon D + max SLO), and
+# for each window length T in `WINDOWS_S`, the sum over windows of the best count subject
+# to each SLO class's capacity. Each is a valid bound, so the least is.
+
+#: Window lengths (s) tried by the time-windowed part of the trace bound.
+WINDOWS_S = (0.25, 1.0, 4.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceModel:
+    """One model's arrivals for the trace bound: sorted times (s), SLO, profile, max batch."""
+
+    times: np.ndarray
+    slo_ms: float
+    profile: Profile
+    max_batch: int
+
+
+def request_costs_s(times: np.ndarray, profile: Profile, slo_ms: float,
+                    max_batch: int) -> np.ndarray:
+    """c_i for each arrival in sorted `times` (fact 1 above); inf where none fits the SLO."""
+    n = int(times.size)
+    slo = slo_ms / 1000
+    best = np.full(n, math.inf)
+    floors = {}  # p -> L^(k, p) for k = 1..max_batch (s)
+    for p in profile.percentages:
+        row = [latency_ms(profile, b, p) / 1000 for b in range(1, max_batch + 1)]
+        floors[p] = np.minimum.accumulate(row[::-1])[::-1]  # min over n >= k
+    for k in range(1, min(max_batch, n) + 1):
+        # (window S - L^, cost) of each slice that fits the SLO, widest window first
+        opts = sorted(((slo - float(f[k - 1]), p / 100 * float(f[k - 1]) / k)
+                       for p, f in floors.items() if f[k - 1] <= slo + 1e-12), reverse=True)
+        if not opts:
+            continue
+        if k == 1:
+            best = np.minimum(best, min(c for _, c in opts))
+            continue
+        # the tightest span of k consecutive arrivals that includes arrival i
+        span = times[k - 1:] - times[:n - k + 1]
+        pad = np.concatenate([np.full(k - 1, np.inf), span, np.full(k - 1, np.inf)])
+        tight = sliding_window_view(pad, k).min(axis=1)[:n]
+        # cheapest cost among the slices whose window is at least `tight`
+        neg_w = np.array([-w - 1e-9 for w, _ in opts])  # ascending
+        cheapest = np.minimum.accumulate(np.array([c for _, c in opts]))
+        fits = np.searchsorted(neg_w, -tight, side="right")
+        cost = np.where(fits > 0, cheapest[np.maximum(fits - 1, 0)], math.inf)
+        best = np.minimum(best, cost)
+    return best
+
+
+def _most_within(costs: np.ndarray, capacity_s: float) -> float:
+    """The fractional knapsack: how many of `costs` fit in `capacity_s`, cheapest first."""
+    c = np.sort(costs[np.isfinite(costs)])
+    cum = np.cumsum(c)
+    whole = int(np.searchsorted(cum, capacity_s, side="right"))
+    if whole >= c.size:
+        return float(whole)
+    left = capacity_s - (float(cum[whole - 1]) if whole else 0.0)
+    return whole + left / float(c[whole])
+
+
+def trace_bound_rps(models: Sequence[TraceModel], duration_s: float,
+                    windows_s: Sequence[float] = WINDOWS_S) -> float:
+    """The trace bound in requests/s (the comment above): never above `ideal_bound_rps`."""
+    if not models or duration_s <= 0:
+        return 0.0
+    costs = np.concatenate([request_costs_s(m.times, m.profile, m.slo_ms, m.max_batch)
+                            for m in models])
+    times = np.concatenate([m.times for m in models])
+    slo = np.concatenate([np.full(m.times.size, m.slo_ms / 1000) for m in models])
+    best = _most_within(costs, duration_s + float(slo.max(initial=0.0)))
+    classes = sorted(set(slo.tolist()))
+    for T in windows_s:
+        win = np.floor(times / T).astype(np.int64)
+        total = 0.0
+        for j in np.unique(win):
+            here = win == j
+            c, s = costs[here], slo[here]
+            total += min(_most_within(c[s <= cl], T + cl) + float(np.count_nonzero(s > cl))
+                         for cl in classes)
+            if total >= best:
+                break
+        best = min(best, total)
+    return best / duration_s

@@ -16,7 +16,7 @@ from dstack.policies.planning import PolicySetup, replan, setup_policy
 from dstack.policies.replicas import replica_groups
 from dstack.runtime.adapt import tracker_for, trigger_for
 from dstack.simulate.engine import RunResult, SimModel, run
-from dstack.simulate.ideal import cost_per_request_s, fluid_bound, ideal_bound_rps
+from dstack.simulate.ideal import TraceModel, cost_per_request_s, fluid_bound, trace_bound_rps
 from dstack.simulate.latency import latency_table_s
 from dstack.simulate.report import PolicyReport, failed, summarise
 from dstack.simulate.workload import Arrivals
@@ -90,14 +90,13 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
     profiles = dict(profiles)
     costs = {m.name: cost_per_request_s(profiles[m.name], m.slo_ms, m.max_batch_size)
              for m in cfg.models}
-    arrived = {m.name: arrivals.count(m.name) for m in cfg.models}
-    max_slo_s = max(m.slo_ms for m in cfg.models) / 1000
-    ideal = ideal_bound_rps(costs, arrived, duration_s, max_slo_s)
-    fluid = fluid_bound(costs, {m.name: m.rate_rps for m in cfg.models})
     extra = set(arrivals.names) - {m.name for m in cfg.models}
     if extra:
         raise ConfigError(f"the workload names models the config does not serve: "
                           f"{', '.join(sorted(extra))}")
+    ideal = trace_bound_rps([TraceModel(arrivals.times_of(m.name), m.slo_ms, profiles[m.name],
+                                        m.max_batch_size) for m in cfg.models], duration_s)
+    fluid = fluid_bound(costs, {m.name: m.rate_rps for m in cfg.models})
     order = {n: i for i, n in enumerate(arrivals.names)}
     remap = [order[m.name] for m in cfg.models]
     # Arrivals may name the models in another order than the config: re-index once.

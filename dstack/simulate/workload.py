@@ -44,6 +44,12 @@ class Arrivals:
     def count(self, model: str) -> int:
         return int(np.count_nonzero(self.models == self.names.index(model)))
 
+    def times_of(self, model: str) -> np.ndarray:
+        """The arrival times of `model` (sorted; empty when the workload never names it)."""
+        if model not in self.names:
+            return np.empty(0)
+        return self.times[self.models == self.names.index(model)]
+
 
 def parse_duration(text: str) -> float:
     """'600s', '10m', '250ms' or '42' (seconds) -> seconds."""

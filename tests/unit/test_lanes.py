@@ -230,6 +230,28 @@ def test_policy_takes_a_full_batch_and_a_lone_model_grows_with_its_slo():
         assert policy.batch_cap(m) == 8
 
 
+def test_a_lone_model_grows_its_batch_by_its_profiles_shape_at_the_live_speed():
+    """tiny_cnn's CPU profile steps from 0.36 ms at batch 1 to 0.86 ms at 2: the straight
+    line through batches 1 and 8 says 0.59 ms for 2, inside 0.6 of a 1.06 ms SLO, and
+    batches of 2 were answered late (the simulator suite's m32). The profile's shape keeps
+    the batch at 1; on a machine twice as fast as the profile, batches of 4 fit."""
+    step = {1: 0.355, 2: 0.863, 4: 1.036, 8: 2.006}
+    prof = make_profile("tiny", lambda b, p: step[b] * 100.0 / p, batches=(1, 2, 4, 8),
+                        percents=(100.0,))
+    cfg = _cfg([{"name": "tiny", "slo_ms": 1.06, "rate_rps": 2000, "max_batch_size": 8,
+                 "max_queue_delay_ms": 0.2}])
+    plan, sched, _ = plan_lanes(cfg, {"tiny": prof}, MpsSlices(100))
+    (lane,) = plan.lanes
+    assert lane.models == ("tiny",) and lane.lone_ms[:2] == (0.355, 0.863)
+    policy = LanePolicy(model_params(cfg), MpsSlices(100), plan, sched)
+    line = LinearLatency.from_points(1, 0.000355, 8, 0.002006)
+    assert line.max_batch_within(0.6 * 0.00106, 8) == 2  # the line alone would take 2
+    policy.use_estimates({"tiny": line})
+    assert policy.batch_cap("tiny") == 1
+    policy.use_estimates({"tiny": LinearLatency.from_points(1, 0.000355 / 2, 8, 0.001003)})
+    assert policy.batch_cap("tiny") == 4  # 0.52 ms at half the profile's latency
+
+
 def test_an_overloaded_lane_runs_its_costly_models_only_in_its_slack():
     lat = synthetic(1.0, 0.5, 100.0)
     cheap = LaneModel("cheap", 20.0, 900.0, 1.0, (1, 2, 4), lat)  # 0.75 ms a request at 4

@@ -11,13 +11,16 @@ from dstack.common.slices import MpsSlices
 from dstack.policies.baselines import ModelParams, SharedPolicy
 from dstack.simulate import (
     SimModel,
+    TraceModel,
     cost_per_request_s,
     fluid_bound,
     generate,
     ideal_bound_rps,
     latency_ms,
     run,
+    trace_bound_rps,
 )
+from dstack.simulate.ideal import request_costs_s
 from dstack.simulate.workload import WorkloadError, parse_duration
 from tests.unit._simulate_fixtures import knee50, make_profile
 
@@ -67,6 +70,37 @@ def test_ideal_cost_is_the_cheapest_slo_feasible_configuration() -> None:
     # SLO 15 ms: at most batch 5 (15 ms) at 50% or more.
     assert cost_per_request_s(prof, 15.0, 16) == pytest.approx(0.5 * 0.015 / 5)
     assert cost_per_request_s(prof, 5.0, 16) == math.inf
+
+
+def test_a_request_with_no_neighbours_in_reach_costs_a_batch_of_one() -> None:
+    """Arrivals 1 s apart under a 100 ms SLO can never share a batch: each is charged a
+    batch of 1 on its cheapest slice, not the batch-of-16 cost the fluid LP uses."""
+    prof = make_profile("m", knee50)
+    alone = np.arange(20, dtype=float)
+    got = request_costs_s(alone, prof, 100.0, 16)
+    one = min(p / 100 * latency_ms(prof, 1, p) / 1000 for p in prof.percentages
+              if latency_ms(prof, 1, p) <= 100.0)
+    assert got == pytest.approx(np.full(20, one))
+    assert one > cost_per_request_s(prof, 100.0, 16)
+    # 16 arrivals within a millisecond can share one batch: the fluid cost is reached.
+    together = np.linspace(0.0, 0.001, 16)
+    assert request_costs_s(together, prof, 100.0, 16) == pytest.approx(
+        np.full(16, cost_per_request_s(prof, 100.0, 16)))
+
+
+def test_the_trace_bound_never_lets_a_burst_borrow_the_quiet_seconds() -> None:
+    """A model at 5 ms of device time a request (200 a device-second), flooded for 1 s at
+    1,000 rps and idle for 9 s: the fluid LP serves the whole flood with the device time of
+    all 10 s; within a 100 ms SLO the flood has 1.1 s of device, 220 requests, and the
+    trace bound says no more."""
+    prof = make_profile("m", lambda b, p: 10.0 * b * max(1.0, 50.0 / p))
+    cost = cost_per_request_s(prof, 100.0, 8)
+    assert cost == pytest.approx(0.005)
+    times = np.linspace(0.0, 0.999, 1000)
+    lp = ideal_bound_rps({"m": cost}, {"m": 1000}, 10.0, 0.1)
+    tb = trace_bound_rps([TraceModel(times, 100.0, prof, 8)], 10.0)
+    assert lp == pytest.approx(100.0)  # all of it
+    assert tb == pytest.approx(1.1 / cost / 10.0)
 
 
 def test_ideal_bound_fills_the_cheapest_models_first() -> None:

@@ -97,7 +97,8 @@ def test_a_hand_written_trace_is_sorted_and_cut_at_the_duration(tmp_path) -> Non
 
 
 @st.composite
-def instances(draw: st.DrawFn) -> tuple:
+def instances(draw: st.DrawFn, slo_factor: tuple[float, float] = (2.5, 8.0),
+              max_rate: float = 600.0) -> tuple:
     n = draw(st.integers(2, 3))
     models, profiles, rates = [], {}, {}
     for i in range(n):
@@ -112,8 +113,8 @@ def instances(draw: st.DrawFn) -> tuple:
             return (k + t * b) * max(1.0, (knee / p) ** curve)
 
         profiles[name] = make_profile(name, lat, knee=knee)
-        slo = draw(st.floats(2.5, 8.0)) * (k + t)
-        rate = draw(st.floats(20.0, 600.0))
+        slo = draw(st.floats(*slo_factor)) * (k + t)
+        rate = draw(st.floats(20.0, max_rate))
         rates[name] = rate
         models.append({"name": name, "slo_ms": slo, "max_batch_size": 16, "rate_rps": rate,
                        "max_queue_delay_ms": min(2.0, slo / 4)})
@@ -133,3 +134,20 @@ def test_no_policy_ever_beats_the_ideal_bound(inst: tuple) -> None:
         assert r.goodput_rps <= sim.ideal_rps * (1 + 1e-9), (r, sim.ideal_rps)
         for m, g in r.per_model_goodput_rps.items():
             assert g * 2.0 <= arr.count(m)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(instances(slo_factor=(1.05, 3.0), max_rate=3000.0), st.sampled_from(
+    ["poisson", "burst:x4@0.3s+0.4s", "ramp:0.2..3"]))
+def test_no_policy_beats_the_trace_bound_where_slos_are_tight_and_load_bursts(
+        inst: tuple, workload: str) -> None:
+    """The trace bound charges each request the batch its arrivals can form within its SLO
+    and keeps a burst to the device time around it (dstack.simulate.ideal): tight SLOs and
+    bursts are where it sits far below the fluid LP, so where a mistake in it would show."""
+    cfg, profiles, rates, seed = inst
+    arr = generate(workload, rates, 2.0, seed)
+    sim = simulate(cfg, profiles, arr, ALL, 2.0)
+    for r in sim.reports:
+        if not r.error:
+            assert r.goodput_rps <= sim.ideal_rps * (1 + 1e-9), (r.policy, r, sim.ideal_rps)
