@@ -42,9 +42,6 @@ log = logging.getLogger("dstack.server")
 SERVER_NAME = "dstack"
 MODEL_VERSION = "1"
 PLATFORM = "pytorch_libtorch"  # what Triton reports for TorchScript models
-# Bodies above this are decoded in a thread. orjson and numpy hold the GIL while they
-# parse, so this only lets the loop run between the steps (docs/reliability.md).
-DECODE_INLINE_BYTES = 1024 * 1024
 EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
 
 
@@ -186,6 +183,20 @@ def create_app(
     # A backend that can queue requests while a model's worker restarts says itself
     # whether one can be taken now (`Runtime.check_admission`); others must be ready.
     check_admission: Callable[[str], None] = getattr(backend, "check_admission", require_ready)
+    # A backend that can tell whether it would refuse n items now, without queuing them,
+    # says so once the request's header is parsed (`Runtime.check_batch`).
+    check_batch: Callable[[str, int], None] | None = getattr(backend, "check_batch", None)
+
+    async def decode_data(head: codec.RequestHead) -> codec.InferRequest:
+        """The request's JSON values, parsed on the loop a piece at a time (about 1 ms
+        each), letting other requests run between pieces (docs/reliability.md)."""
+        steps = codec.decode_data(head)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ server
 
@@ -297,11 +308,10 @@ def create_app(
     async def _infer(request: Request, model: str, spec: ModelSpec) -> Response:
         check_admission(model)  # before the body is read
         body = await read_body(request, max_body_bytes)
-        header_len = request.headers.get(codec.HEADER_LENGTH)
-        if len(body) > DECODE_INLINE_BYTES:  # a big body (JSON: slow) is decoded off the loop
-            req = await asyncio.to_thread(codec.decode_request, body, header_len, spec)
-        else:
-            req = codec.decode_request(body, header_len, spec)
+        head = codec.parse_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
+        if check_batch is not None:  # refused by its batch size before its numbers are parsed
+            check_batch(model, head.batch_size)
+        req = await decode_data(head)
         outputs = await backend.infer(model, req.inputs)
         payload, hlen = codec.encode_response(model, req, outputs, spec)
         if hlen is None:

@@ -1,5 +1,6 @@
 """The pieces of the server limits that need no server process: config checks, the token
-source, open paths, and big JSON bodies decoded off the event loop. The limits themselves
+source, open paths, and big JSON bodies: parsed a piece at a time, and refused by their
+batch size before their numbers are parsed. The limits themselves
 are checked against a real server in tests/e2e/test_server_limits.py."""
 
 from __future__ import annotations
@@ -7,10 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from dstack.common.config import ConfigError, ServerConfig, parse_config
+from dstack.common.types import DType, ModelSpec, TensorSpec
 from server import app as app_module
 from server.auth import TOKEN_ENV, AuthConfigError, is_open, load_token
 from server.main import build_app, server_config
@@ -55,24 +58,109 @@ def test_tls_files_reach_uvicorn(tmp_path: Path) -> None:
     assert config.is_ssl
 
 
-def test_a_big_json_body_is_decoded_in_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def _big_double_body(rows: int) -> tuple[bytes, list[float]]:
+    values = [float(i % 97) / 8 for i in range(rows * 3)]
+    doc = {"inputs": [{"name": "x", "shape": [rows, 3], "datatype": "FP32", "data": values}]}
+    return json.dumps(doc).encode(), values
+
+
+class _Wide(FakeBackend):
+    """One more model, `wide`: 4,096 FP32 values per item, doubled."""
+
+    WIDE = ModelSpec("wide", (TensorSpec("x", DType.FP32, (-1, 4096)),),
+                     (TensorSpec("y", DType.FP32, (-1, 4096)),), max_batch_size=2)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready["wide"] = True
+
+    def spec(self, model: str) -> ModelSpec:
+        return self.WIDE if model == "wide" else super().spec(model)
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if model == "wide":
+            return {"y": inputs["x"] * 2}
+        return await super().infer(model, inputs)
+
+
+def test_other_requests_are_served_while_a_big_json_body_is_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
-    threads: list[object] = []
-    real = asyncio.to_thread
+    import httpx
 
-    async def spy(fn, *args):  # noqa: ANN001, ANN202
-        threads.append(fn)
-        return await real(fn, *args)
+    from server import json_tensors
 
-    monkeypatch.setattr(app_module.asyncio, "to_thread", spy)
-    doc = {"inputs": [{"name": "x", "shape": [2, 3], "datatype": "FP32",
-                       "data": [1, 2, 3, 4, 5, 6]}]}
-    small = json.dumps(doc).encode()
-    big = small + b" " * app_module.DECODE_INLINE_BYTES  # still one JSON document
-    with TestClient(app_module.create_app(FakeBackend(), max_body_bytes=4 << 20)) as c:
-        for body in (small, big):
-            r = c.post("/v2/models/double/infer", content=body)
+    monkeypatch.setattr(json_tensors, "CHUNK_BYTES", 1024)  # some 80 pieces
+    x = np.random.default_rng(1).random((2, 4096)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "x", "shape": [2, 4096], "datatype": "FP32",
+                                   "data": x.ravel().tolist()}]}).encode()
+    order: list[str] = []
+
+    async def go() -> None:
+        app = app_module.create_app(_Wide(), max_body_bytes=4 << 20)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            async def infer() -> httpx.Response:
+                r = await c.post("/v2/models/wide/infer", content=body)
+                order.append("infer")
+                return r
+
+            async def live() -> None:
+                await asyncio.sleep(0)  # the infer request is under way first
+                r = await c.get("/v2/health/live")
+                assert r.status_code == 200
+                order.append("live")
+
+            r, _ = await asyncio.gather(infer(), live())
             assert r.status_code == 200, r.text
-            assert r.json()["outputs"][0]["data"] == [2, 4, 6, 8, 10, 12]
-    assert threads == [app_module.codec.decode_request]  # the big one only
+            got = np.array(r.json()["outputs"][0]["data"], np.float32).reshape(2, 4096)
+            np.testing.assert_array_equal(got, x * 2)
+
+    asyncio.run(go())
+    assert order == ["live", "infer"]  # served between two pieces of the infer's numbers
+
+
+def _big_double_body(rows: int) -> tuple[bytes, list[float]]:
+    values = [float(i % 97) / 8 for i in range(rows * 3)]
+    doc = {"inputs": [{"name": "x", "shape": [rows, 3], "datatype": "FP32", "data": values}]}
+    return json.dumps(doc).encode(), values
+
+
+class _RefusesBigBatches(FakeBackend):
+    """Refuses batches over 2 by their size, as the runtime's admission does."""
+
+    def check_batch(self, model: str, n: int) -> None:
+        from dstack.common.errors import Overloaded
+
+        if n > 2:
+            raise Overloaded(f"a batch of {n} does not fit")
+
+
+def test_a_request_refused_by_its_batch_size_is_refused_before_its_numbers_are_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from server import json_tensors
+
+    parsed: list[int] = []
+    real = json_tensors.decode_flat
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        parsed.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(json_tensors, "decode_flat", spy)
+    backend = _RefusesBigBatches()
+    with TestClient(app_module.create_app(backend, max_body_bytes=4 << 20)) as c:
+        body, _ = _big_double_body(4)
+        r = c.post("/v2/models/double/infer", content=body)
+        assert r.status_code == 429, r.text
+        assert "a batch of 4" in r.json()["error"]
+        assert parsed == []  # refused on its header alone
+        # Its numbers were never read: garbage there does not change the answer.
+        r = c.post("/v2/models/double/infer", content=body.replace(b"0.125", b"0.1.2.5"))
+        assert r.status_code == 429, r.text
+        body, values = _big_double_body(2)
+        r = c.post("/v2/models/double/infer", content=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == [2 * v for v in values]
+        assert parsed == [1] and backend.calls["double"] == [2]

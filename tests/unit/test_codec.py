@@ -330,3 +330,117 @@ def test_malformed_response_is_a_value_error() -> None:
     head += b'"parameters": {"binary_data_size": 8}}]}'
     with pytest.raises(ValueError, match="runs past the end"):
         codec.decode_response(head + b"1234", len(head))
+
+
+# --------------------------------------------------------------------------- big JSON data
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flat `data` arrays parsed in pieces of about 32 bytes (many pieces per tensor)."""
+    from server import json_tensors
+
+    monkeypatch.setattr(json_tensors, "CHUNK_BYTES", 32)
+
+
+def whole(body: bytes, spec: ModelSpec) -> np.ndarray:
+    """What the whole-body parse makes of the request (orjson + numpy): the reference."""
+    t = json.loads(body)["inputs"][0]
+    return codec._array_from_json(t["data"], DType(t["datatype"]), tuple(t["shape"]), "x")
+
+
+@pytest.mark.usefixtures("small_pieces")
+@pytest.mark.parametrize("dt", [d for d in DType if d != DType.BOOL])
+def test_json_data_parsed_in_pieces_is_the_same_tensor(dt: DType) -> None:
+    spec = spec_for(dt, (-1, 5, 7))
+    x = sample(dt, (4, 5, 7))
+    for sep in (",", ", ", " ,\n\t"):  # any JSON whitespace between the numbers
+        data = sep.join(json.dumps(v) for v in x.ravel().tolist())
+        body = ('{"id": "r", "inputs": [{"name": "x", "datatype": "' + dt.value
+                + '", "shape": [4, 5, 7], "data" : [ ' + data + " ] }]}").encode()
+        req = codec.decode_request(body, None, spec)
+        assert req.batch_size == 4 and req.id == "r"
+        got = req.inputs["x"]
+        assert got.dtype == codec.NP_DTYPES[dt] and got.shape == (4, 5, 7)
+        np.testing.assert_array_equal(got, x)
+        np.testing.assert_array_equal(got, whole(body, spec))
+
+
+@pytest.mark.usefixtures("small_pieces")
+def test_json_numbers_of_every_form_parse_as_the_stdlib_does() -> None:
+    values = [0, -0.0, 1, -17, 3.25, 1e-7, -2.5E+3, 6.02e23, 123456789, 1e-320, 10**30]
+    spec = spec_for(DType.FP64, (-1, len(values)))
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP64", "shape": [1, len(values)],
+                                   "data": values}]}).encode()
+    got = codec.decode_request(body, None, spec).inputs["x"]
+    # As Python reads them (10**30 too, which np.asarray over the parsed list refused).
+    np.testing.assert_array_equal(got, np.array([[float(v) for v in values]]))
+
+
+def test_header_is_known_before_the_numbers_are_parsed() -> None:
+    spec = spec_for(DType.FP32, (-1, 3))
+    # Not numbers at all: parse_request does not read them; decode_data refuses them.
+    body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3], '
+    body += b'"data": [1, 2, x, 4, 5, 6]}]}'
+    head = codec.parse_request(body, None, spec)
+    assert head.batch_size == 2
+    with pytest.raises(RequestError, match="input 'x': malformed JSON in 'data'"):
+        list(codec.decode_data(head))
+
+
+def test_data_not_split_safely_is_parsed_whole() -> None:
+    """A body the split cannot take apart safely decodes as a whole-body parse would."""
+    spec = spec_for(DType.FP32, (-1, 3))
+    t = {"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1.5, 2, 3]}
+    cases = [
+        {"inputs": [t], "parameters": {"data": [9, 9]}},  # a `data` key that is no input's
+        {"inputs": [{**t, "parameters": {"note": '"data": [7, 8, 9]'}}]},  # inside a string
+        {"id": '"data":[', "inputs": [t]},
+        {"inputs": [{**t, "data": [[1.5, 2, 3]]}]},  # nested
+    ]
+    for doc in cases:
+        got = codec.decode_request(json.dumps(doc).encode(), None, spec).inputs["x"]
+        np.testing.assert_array_equal(got, np.array([[1.5, 2, 3]], np.float32))
+
+
+BAD_DATA: list[tuple[str, str, str, str]] = [
+    # (name, datatype, data as sent, message)
+    ("too few", "FP32", "1, 2, 3, 4, 5", "'data' has 5 values but shape \\[2,3\\] needs 6"),
+    ("too many", "FP32", ", ".join(["1.5"] * 9), "'data' has 9 values but shape.*needs 6"),
+    ("far too few", "FP32", "1", "'data' has 1 values but shape.*needs 6"),
+    ("empty", "FP32", "", "'data' has 0 values"),
+    ("trailing comma", "FP32", "1, 2, 3, 4, 5, 6,", "malformed JSON in 'data'"),
+    ("double comma", "FP32", "1, 2, 3,, 4, 5, 6", "malformed JSON in 'data'"),
+    ("NaN", "FP32", "1, 2, 3, 4, 5, NaN", "malformed JSON in 'data'"),
+    ("leading zero", "FP32", "1, 2, 3, 4, 5, 06", "malformed JSON in 'data'"),
+    ("bare fraction", "FP32", "1, 2, 3, 4, 5, .5", "malformed JSON in 'data'"),
+    ("unclosed", "FP32", "1, 2, 3, 4, 5, 6} ", "malformed JSON"),
+    ("boolean", "FP32", "1, 2, 3, 4, 5, true", "FP32 needs numbers"),
+    ("null", "FP64", "null, 2, 3, 4, 5, 6", "FP64 needs numbers"),
+    ("object", "FP32", "{}, 2, 3, 4, 5, 6", "FP32 needs numbers"),
+    ("fraction in ints", "INT32", "1, 2, 3, 4, 5, 6.5", "INT32 needs integers"),
+    ("exponent in ints", "INT64", "1, 2, 3, 4, 5, 1e3", "INT64 needs integers"),
+    ("int8 range", "INT8", "1, 2, 3, 4, 5, 128", r"outside the INT8 range \[-128, 127\]"),
+    ("uint8 range", "UINT8", "-1, 2, 3, 4, 5, 6", r"outside the UINT8 range \[0, 255\]"),
+    ("int64 range", "INT64", "1, 2, 3, 4, 5, 9223372036854775808", "outside the INT64 range"),
+    ("beyond 64 bits", "INT64", "1, 2, 3, 4, 5, " + "9" * 30, "outside the INT64 range"),
+]
+
+
+@pytest.mark.usefixtures("small_pieces")
+@pytest.mark.parametrize(("dt", "data", "message"), [b[1:] for b in BAD_DATA],
+                         ids=[b[0] for b in BAD_DATA])
+def test_bad_json_data_names_the_problem(dt: str, data: str, message: str) -> None:
+    spec = spec_for(DType(dt), (-1, 3))
+    body = ('{"inputs": [{"name": "x", "datatype": "' + dt
+            + '", "shape": [2, 3], "data": [' + data + "]}]}").encode()
+    with pytest.raises(RequestError, match=message):
+        codec.decode_request(body, None, spec)
+
+
+def test_a_huge_shape_claim_is_refused_without_allocating_it() -> None:
+    spec = spec_for(DType.FP32, (-1, -1))
+    body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 100000000000], ' \
+           b'"data": [1, 2, 3]}]}'
+    with pytest.raises(RequestError, match="'data' has 3 values but shape.*needs 100000000000"):
+        codec.decode_request(body, None, spec)
