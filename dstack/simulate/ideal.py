@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from dstack.common.types import Profile
 from dstack.simulate.latency import latency_ms
@@ -134,14 +133,16 @@ def request_costs_s(times: np.ndarray, profile: Profile, slo_ms: float,
         opts = sorted(((slo - float(f[k - 1]), p / 100 * float(f[k - 1]) / k)
                        for p, f in floors.items() if f[k - 1] <= slo + 1e-12), reverse=True)
         if not opts:
-            continue
+            break  # L^ grows with k: no larger batch fits either
         if k == 1:
             best = np.minimum(best, min(c for _, c in opts))
             continue
         # the tightest span of k consecutive arrivals that includes arrival i
         span = times[k - 1:] - times[:n - k + 1]
         pad = np.concatenate([np.full(k - 1, np.inf), span, np.full(k - 1, np.inf)])
-        tight = sliding_window_view(pad, k).min(axis=1)[:n]
+        tight = _sliding_min(pad, k)[:n]
+        if not (tight <= opts[0][0] + 1e-9).any():
+            break  # spans grow with k and windows shrink: no larger batch forms either
         # cheapest cost among the slices whose window is at least `tight`
         neg_w = np.array([-w - 1e-9 for w, _ in opts])  # ascending
         cheapest = np.minimum.accumulate(np.array([c for _, c in opts]))
@@ -149,6 +150,15 @@ def request_costs_s(times: np.ndarray, profile: Profile, slo_ms: float,
         cost = np.where(fits > 0, cheapest[np.maximum(fits - 1, 0)], math.inf)
         best = np.minimum(best, cost)
     return best
+
+
+def _sliding_min(a: np.ndarray, k: int) -> np.ndarray:
+    """min(a[j:j+k]) for j = 0..len(a)-k, by doubling widths (O(len(a) log k))."""
+    m, w = a, 1
+    while 2 * w <= k:
+        m = np.minimum(m[:-w], m[w:])  # width 2w
+        w *= 2
+    return np.minimum(m[:a.size - k + 1], m[k - w:])
 
 
 def _most_within(costs: np.ndarray, capacity_s: float) -> float:
@@ -160,6 +170,24 @@ def _most_within(costs: np.ndarray, capacity_s: float) -> float:
         return float(whole)
     left = capacity_s - (float(cum[whole - 1]) if whole else 0.0)
     return whole + left / float(c[whole])
+
+
+def _most_within_each(win: np.ndarray, costs: np.ndarray, capacity_s: float,
+                      n_windows: int) -> np.ndarray:
+    """`_most_within` for every window at once: `win` (window of each item) and `costs`
+    sorted by window, then cost; finite costs only. -> per window."""
+    if win.size == 0:
+        return np.zeros(n_windows)
+    cum = np.cumsum(costs)
+    first = np.flatnonzero(np.r_[True, win[1:] != win[:-1]])
+    size = np.diff(np.r_[first, win.size])
+    within = cum - np.repeat(cum[first] - costs[first], size)  # running sum in its window
+    before = within - costs
+    whole = np.bincount(win, weights=within <= capacity_s, minlength=n_windows)
+    part = (within > capacity_s) & (before < capacity_s)  # at most one item a window
+    frac = np.bincount(win[part], weights=(capacity_s - before[part]) / costs[part],
+                       minlength=n_windows)
+    return whole + frac
 
 
 def trace_bound_rps(models: Sequence[TraceModel], duration_s: float,
@@ -175,13 +203,15 @@ def trace_bound_rps(models: Sequence[TraceModel], duration_s: float,
     classes = sorted(set(slo.tolist()))
     for T in windows_s:
         win = np.floor(times / T).astype(np.int64)
-        total = 0.0
-        for j in np.unique(win):
-            here = win == j
-            c, s = costs[here], slo[here]
-            total += min(_most_within(c[s <= cl], T + cl) + float(np.count_nonzero(s > cl))
-                         for cl in classes)
-            if total >= best:
-                break
-        best = min(best, total)
+        n_win = int(win.max(initial=-1)) + 1
+        order = np.lexsort((costs, win))
+        w, c, s = win[order], costs[order], slo[order]
+        finite = np.isfinite(c)
+        per_window = np.full(n_win, np.inf)
+        for cl in classes:
+            mine = s <= cl
+            fit = _most_within_each(w[mine & finite], c[mine & finite], T + cl, n_win)
+            rest = np.bincount(w[~mine], minlength=n_win)
+            per_window = np.minimum(per_window, fit + rest)
+        best = min(best, float(per_window.sum()))
     return best / duration_s
