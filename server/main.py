@@ -25,9 +25,10 @@ from fastapi import FastAPI
 
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
-from server.app import create_app
+from server.app import MODEL_VERSION, create_app
 from server.auth import BearerAuth, load_token
 from server.connection import ConnectionLimits, LimitedHttpToolsProtocol
+from server.early import EarlyRefusal
 from server.limits import BodyBudget, BodyLimits
 
 log = logging.getLogger("dstack.server")
@@ -63,6 +64,10 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
                      lifespan=lifespan if start_runtime else None)
     app.add_middleware(BodyLimits, max_body_bytes=s.max_body_bytes,
                        budget=BodyBudget(s.body_budget_bytes))
+    refuse_early = getattr(runtime, "refuse_early", None)
+    if refuse_early is not None:  # outside the body limits: refused before the body is read
+        app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
+                           count=app.state.metrics.failures.add, version=MODEL_VERSION)
     if auth_token is not None:  # outermost: no body is read for a request without the token
         app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
                            drain_bytes=s.max_body_bytes)

@@ -34,8 +34,17 @@ The refusal rules (every refusal names one):
 Admission and expiry in the queue read the estimate's fast end (`LinearLatency.refusal_s`:
 what recent batches took at their quickest, rising only slowly), not its mean: a request is
 refused there only when even that says it cannot make it, so contention cannot feed on
-itself through refusals and retries. The trim at launch reads the mean: that batch runs
-now, and its likeliest length decides which heads it would answer late.
+itself through refusals and retries. Except when the model is *backlogged*: at least one
+full batch (the policy's cap) is queued ahead of the request. A backlog drains at the
+speed batches really run, so admission then reads the mean for the whole of the work ahead
+(the running batch's likeliest end, the full batches, the request's own batch): what the
+fast end would admit there is refused later, as `expired`, after waiting most of its SLO.
+A closed loop of retrying clients keeps at most one request per client queued, so it stays
+on the fast end. The trim at launch reads the mean: that batch runs now, and its likeliest
+length decides which heads it would answer late.
+
+`refuse_early(model, n, now)` asks the admission rules without queuing (the server asks it
+before reading a request's body, with n = 1: a refusal then costs no body).
 
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
@@ -192,7 +201,8 @@ class _Model:
     head_arrival: cython.double  # of the oldest queued ticket (while qlen > 0)
     head_deadline: cython.double
     running = cython.declare(cython.bint, visibility="public")
-    run_until: cython.double  # when the running batch should end (by the estimate)
+    run_until: cython.double  # when the running batch should end (the estimate's fast end)
+    run_mean_until: cython.double  # ... and by its mean (read while backlogged)
     last_done: cython.double  # when its last batch ended (or serving began)
     est_refused: cython.bint  # it has refused by estimate since its last finished batch
     probing: cython.bint  # a probe is queued or running: the estimate refuses nothing
@@ -221,6 +231,7 @@ class _Model:
         self.head_deadline = 0.0
         self.running = False
         self.run_until = 0.0
+        self.run_mean_until = 0.0
         self.last_done = 0.0
         self.est_refused = False
         self.probing = False
@@ -396,6 +407,38 @@ class _Core:
         t.arrival = now
         t.deadline = now + st.slo_s
         t.payload = payload
+        r = self._check(st, t, model, now)
+        if r is not None:
+            return r
+        if self._probe_due(st, now):
+            st.probing = True
+        st.push(t)
+        self.queued += k
+        st.counters.admitted += 1
+        return t
+
+    def refuse_early(self, model: str, n: int, now: float) -> Refusal | None:
+        """`admit`'s refusal for a request of `n` items arriving now, without queuing it:
+        the Refusal (counted, as `admit` counts one), or None when `admit` would queue it
+        (nothing counted: the request is admitted, and counted, by `admit` later)."""
+        i: cython.Py_ssize_t
+        group = self.groups.get(model) if self.groups else None
+        i = self.index[model] if group is None else self._route(group)
+        st: _Model = self._m[i]
+        t: Ticket = Ticket.__new__(Ticket)
+        t.model = i
+        t.n = n
+        t.arrival = now
+        t.deadline = now + st.slo_s
+        r = self._check(st, t, model, now)
+        if r is not None:
+            st.counters.arrived += 1
+        return r
+
+    @cython.cfunc
+    def _check(self, st: _Model, t: Ticket, model: str, now: cython.double) -> object:
+        """The Refusal of ticket `t` (not queued yet) by the admission rules, or None."""
+        k: cython.longlong = t.n
         if st.items + k > st.max_queue:
             return self._refusal(st, t, RefusalReason.QUEUE_FULL,
                                  f"model {model}: queue is full ({st.items} items waiting, "
@@ -417,10 +460,18 @@ class _Core:
             if own > cap:
                 own = cap
             start: cython.double = now
-            if st.running and st.run_until > now:
-                start = st.run_until
-            per_batch: cython.double = est.refusal_s(cap)
-            own_s: cython.double = est.refusal_s(own)
+            per_batch: cython.double
+            own_s: cython.double
+            if full_batches > 0:  # backlogged: the work ahead runs at the mean
+                if st.running and st.run_mean_until > now:
+                    start = st.run_mean_until
+                per_batch = est.estimate_s(cap)
+                own_s = est.estimate_s(own)
+            else:
+                if st.running and st.run_until > now:
+                    start = st.run_until
+                per_batch = est.refusal_s(cap)
+                own_s = est.refusal_s(own)
             finish: cython.double = start + full_batches * per_batch + own_s
             if finish > t.deadline:
                 st.est_refused = True
@@ -430,12 +481,7 @@ class _Core:
                     f"{per_batch * 1000:.1f} ms per batch of {cap} this request would "
                     f"finish {1000 * (finish - now):.1f} ms after arrival, over its SLO of "
                     f"{st.spec.slo_s * 1000:g} ms")
-        elif self._probe_due(st, now):
-            st.probing = True
-        st.push(t)
-        self.queued += k
-        st.counters.admitted += 1
-        return t
+        return None
 
     @cython.cfunc
     def _route(self, group: list) -> cython.Py_ssize_t:
@@ -599,6 +645,7 @@ class _Core:
         if est is None:
             est = st.estimate
         st.run_until = now + (est.refusal_s(taken) if est is not None else 0.0)
+        st.run_mean_until = now + (est.estimate_s(taken) if est is not None else 0.0)
         return Batch(model, i, tuple(tickets), taken, now, reuse)
 
     # ------------------------------------------------------------------ results
@@ -647,6 +694,7 @@ class _Core:
         st.running = False
         st.dirty = True
         st.run_until = now
+        st.run_mean_until = now
         st.last_done = now
 
     def drain(self, model: str | None = None) -> tuple[Ticket, ...]:

@@ -456,6 +456,23 @@ class Runtime:
         err.logged = True  # once per restart, when it ends (`_restart_ended`)
         raise err
 
+    def refuse_early(self, model: str) -> None:
+        """Raise what a one-item request for `model` arriving now would be refused with
+        (`check_admission`'s 503s; the dispatch core's 429 when even one item would be
+        refused: queue full, unplanned, work ahead), counted as such a refusal. The server
+        asks this before reading a request's body (`server.early`): under overload a
+        refusal then costs no body. Returns when the request may go on (it is admitted, or
+        refused on its real size, by `infer`)."""
+        self.check_admission(model)
+        core = self.core
+        assert core is not None
+        now = self._clock()
+        got = core.refuse_early(model, 1, now)
+        if got is not None:
+            if self.replanner is not None:
+                self.replanner.record(model, now)  # demand: counted as `infer` counts it
+            raise refusal_error(got.reason, got.message)
+
     def _restarting(self, model: str) -> bool:
         """No worker of the model is ready and one is restarting."""
         sup = self.supervisor

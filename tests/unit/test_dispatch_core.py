@@ -266,3 +266,34 @@ def test_slower_batches_raise_the_refusal_estimate_only_slowly() -> None:
     assert est.refusal_s(1) > 0.045
     est.observe(1, 0.012)
     assert est.refusal_s(1) < 0.035
+
+
+def test_a_backlogged_model_admits_on_the_mean_of_its_batches() -> None:
+    """Batches of 4 take 40 ms on the mean, 20 ms at the fast end; SLO 100 ms. With less
+    than a batch queued ahead the fast end decides (a closed loop of retrying clients stays
+    there, even when the mean alone would refuse); with a full batch ahead the backlog runs
+    at the mean, so a request that would only fit at the fast end is refused at once rather
+    than expiring in the queue."""
+    est = LinearLatency(0.04, 0.0, observations=10, lo_k_s=0.02)
+    core = core_for(estimates={A: est})
+    for _ in range(8):  # 0-3 ahead: fast end; 4-7 ahead: 40 + 40 ms
+        assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    r = core.admit(A, 1, 0.0)  # 8 ahead: two batches and its own, 120 ms at the mean
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "8 items are queued ahead" in r.message and "40.0 ms per batch" in r.message
+    slow = core_for(estimates={A: LinearLatency(0.15, 0.0, observations=10, lo_k_s=0.02)})
+    assert isinstance(slow.admit(A, 1, 0.0), Ticket)  # nothing ahead: the fast end (20 ms)
+
+
+def test_refuse_early_answers_as_admit_would_without_queuing() -> None:
+    core = core_for(estimates={A: trusted(0.04)})
+    assert core.refuse_early(A, 1, 0.0) is None
+    c = core.counters(A)
+    assert (c.arrived, c.admitted, core.queue_items(A)) == (0, 0, 0)  # nothing counted
+    for _ in range(8):
+        assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    r = core.refuse_early(A, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    c = core.counters(A)
+    assert (c.arrived, c.admitted, c.refused["work_ahead"]) == (9, 8, 1)
+    assert core.queue_items(A) == 8 and core.refuse_early(B, 1, 0.0) is None

@@ -1,0 +1,74 @@
+"""Refusing an infer request from its headers, before its body is read.
+
+Under overload most requests are refused, and on a small machine receiving and decoding
+their bodies (a 600 KB binary tensor for one 224x224 image) takes the cores the workers
+need. The model is in the URL; a backend that can say whether a request of one item would
+be refused now (`refuse_early(model)`, raising the `DStackError` it would be answered
+with) is asked before anything reads the body: a refusal is answered at once, with the
+same status, JSON body (`error`, `reason`) and `Retry-After` as a refusal after the body.
+
+The connection is kept: uvicorn's httptools protocol reads and drops the rest of a body
+once the answer is complete (`on_body` ignores bytes after it), so a client that sends its
+whole body before reading (urllib, requests, tritonclient, aiohttp) reads the 429 rather
+than a reset, and its next request reuses the connection. A request whose batch turns out
+to be bigger than one item is checked again, whole, when it is admitted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dstack.common.errors import DStackError, ModelNotFound
+
+log = logging.getLogger("dstack.server")
+
+_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+
+
+class EarlyRefusal:
+    """ASGI middleware: `refuse_early(model)` before the body of `POST .../infer` is read;
+    `count(model, reason)` counts each refusal answered here (the failure counter the
+    infer route feeds, so that stats and metrics count them as any refusal)."""
+
+    def __init__(self, app: ASGIApp, *, refuse_early: Callable[[str], None],
+                 count: Callable[[str, str], None], version: str) -> None:
+        self.app = app
+        self.refuse_early = refuse_early
+        self.count = count
+        self.version = version
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            m = _INFER.match(scope["path"])
+            if m is not None and m.group(2) in (None, self.version):
+                model = m.group(1)
+                try:
+                    self.refuse_early(model)
+                except ModelNotFound:
+                    pass  # the route answers it (404), as without this middleware
+                except DStackError as e:
+                    self.count(model, e.reason)
+                    if e.status_code >= 500 and not e.logged:  # as the app's handler does
+                        log.warning("%s: %s", type(e).__name__, e.message)
+                    await _answer(send, e)
+                    return
+        await self.app(scope, receive, send)
+
+
+async def _answer(send: Send, e: DStackError) -> None:
+    doc: dict[str, str] = {"error": e.message}
+    if e.rule is not None:
+        doc["reason"] = e.rule
+    body = json.dumps(doc).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if e.retry_after_s is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode()))
+    await send({"type": "http.response.start", "status": e.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,146 @@
+"""Refusals answered from the headers, before the body is read (`server.early`), on a real
+uvicorn with the server's own protocol over a fake backend that refuses on demand."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from dstack.common.config import parse_config
+from dstack.common.errors import DStackError, Unavailable
+from dstack.runtime.dispatch import RefusalReason
+from dstack.runtime.serving import refusal_error
+from tests.integration.fakes import FakeBackend
+
+BODY = 600_000  # a 3x224x224 FP32 image, about
+INFER = "/v2/models/double/infer"
+VALID = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32",
+                                "data": [1, 2, 3]}]}).encode()
+
+
+class RefusingBackend(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusal: DStackError | None = None
+        self.asked: list[str] = []
+
+    def refuse_early(self, model: str) -> None:
+        self.spec(model)  # ModelNotFound, as the runtime's
+        self.asked.append(model)
+        if self.refusal is not None:
+            raise self.refusal
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
+    import uvicorn
+
+    from server.main import bind, build_app, server_config
+
+    cfg = parse_config({"models": [{"name": "double"}],
+                        "server": {"max_body_bytes": 4 * BODY, "body_budget_bytes": 8 * BODY,
+                                   "header_timeout_s": 5, "body_timeout_s": 5}})
+    backend = RefusingBackend()
+    server = uvicorn.Server(server_config(build_app(cfg, backend, start_runtime=False),
+                                          cfg.server, log_level="critical"))
+    sock = bind("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield sock.getsockname(), backend
+    server.should_exit = True
+    thread.join(10)
+
+
+def _head(length: int) -> bytes:
+    return (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response read off a kept-alive connection (Content-Length framed)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, f"connection closed after {buf!r}"
+        buf += chunk
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+    n = int(headers["content-length"])
+    while len(rest) < n:
+        rest += s.recv(65536)
+    return int(lines[0].split()[1]), headers, rest[:n]
+
+
+def test_a_refused_request_is_answered_before_its_body_and_the_connection_is_kept(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    addr, backend = served
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: 8 items are "
+                                    "queued ahead ... over its SLO of 250 ms")
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(_head(BODY))  # the body is not sent: the answer must not wait for it
+            status, headers, body = _response(s)
+            assert status == 429
+            assert json.loads(body) == {"error": backend.refusal.message, "reason": "work_ahead"}
+            assert headers.get("connection") != "close"
+            backend.refusal = None
+            s.sendall(b"0" * BODY)  # the refused body, dropped by the server
+            s.sendall(_head(len(VALID)) + VALID)  # the same connection serves the next one
+            status, _, body = _response(s)
+            assert status == 200, body
+            assert json.loads(body)["outputs"][0]["data"] == [2, 4, 6]
+    finally:
+        backend.refusal = None
+
+
+def test_a_client_that_sends_its_body_first_reads_the_refusal_and_it_is_counted(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    addr, backend = served
+    url = f"http://{addr[0]}:{addr[1]}"
+
+    def failures() -> int:
+        with urllib.request.urlopen(f"{url}/v2/models/double/stats", timeout=5) as r:
+            return json.loads(r.read())["model_stats"][0]["inference_stats"]["fail"]["count"]
+
+    before = failures()
+    err = Unavailable("model double is restarting: ... retry after 3 s")
+    err.rule, err.retry_after_s = "restarting", 2.2
+    backend.refusal = err
+    try:
+        req = urllib.request.Request(f"{url}{INFER}", data=b"1" * BODY, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "3"
+        assert json.loads(e.value.read())["reason"] == "restarting"
+    finally:
+        backend.refusal = None
+    assert failures() == before + 1
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'reason="unavailable"' in metrics
+
+
+def test_unknown_models_and_other_versions_are_left_to_the_routes(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    addr, backend = served
+    backend.refusal = refusal_error(RefusalReason.QUEUE_FULL, "full")
+    url = f"http://{addr[0]}:{addr[1]}"
+    try:
+        for path in ("/v2/models/nope/infer", "/v2/models/double/versions/7/infer"):
+            req = urllib.request.Request(f"{url}{path}", data=VALID, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 404, path
+    finally:
+        backend.refusal = None
