@@ -473,6 +473,22 @@ class Runtime:
                 self.replanner.record(model, now)  # demand: counted as `infer` counts it
             raise refusal_error(got.reason, got.message)
 
+    def check_batch(self, model: str, n: int) -> None:
+        """Raise the dispatch core's refusal (429) of a request of `n` items for `model`
+        arriving now, counted as `infer` counts one, without queuing it; return when it
+        would be admitted (`infer` then admits it). The server asks this once it has
+        read a request's header and before it parses its JSON numbers (`server.codec`):
+        a batch too big for the SLO or the queue costs no parsing."""
+        core = self.core
+        if core is None:
+            return  # not ready: `infer` says so
+        now = self._clock()
+        got = core.refuse_early(model, n, now)
+        if got is not None:
+            if self.replanner is not None:
+                self.replanner.record(model, now)  # demand: counted as `infer` counts it
+            raise refusal_error(got.reason, got.message)
+
     def _restarting(self, model: str) -> bool:
         """No worker of the model is ready and one is restarting."""
         sup = self.supervisor

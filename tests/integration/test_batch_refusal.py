@@ -1,0 +1,59 @@
+"""A JSON request that the dispatch core would refuse by its batch size is refused once its
+header is read, before its numbers are parsed (`Runtime.check_batch`; real tiny_cnn worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from dstack.common.config import parse_config
+from dstack.policies.latency import LinearLatency
+from dstack.runtime.serving import Runtime
+from server import json_tensors
+from server.app import create_app
+
+
+def _json_body(n: int) -> bytes:
+    x = np.random.default_rng(n).random((n, 3, 32, 32)).astype(np.float32)
+    return json.dumps({"inputs": [{"name": "input", "datatype": "FP32",
+                                   "shape": [n, 3, 32, 32], "data": x.ravel().tolist()}]}).encode()
+
+
+def test_a_batch_over_its_slo_is_refused_before_its_numbers_are_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[int] = []
+    real = json_tensors.decode_flat
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        parsed.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(json_tensors, "decode_flat", spy)
+    cfg = parse_config({"models": [{"name": "tiny_cnn", "slo_ms": 200, "max_batch_size": 8,
+                                    "max_queue_delay_ms": 1}]})
+
+    async def main() -> None:
+        rt = Runtime(cfg)
+        await rt.start()
+        try:
+            # 40 ms per item, trusted: a batch of 1 fits the 200 ms SLO, one of 8 cannot.
+            rt.core.set_estimate("tiny_cnn", LinearLatency(0.0, 0.04, observations=10))
+            transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 24))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                         timeout=60) as http:
+                r = await http.post("/v2/models/tiny_cnn/infer", content=_json_body(8))
+                assert r.status_code == 429, r.text
+                assert r.json()["reason"] == "work_ahead"
+                assert parsed == []  # refused on its header alone
+                assert rt.stats("tiny_cnn").refused == 1  # counted as any refusal
+                r = await http.post("/v2/models/tiny_cnn/infer", content=_json_body(1))
+                assert r.status_code == 200, r.text
+                assert parsed == [1]
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
