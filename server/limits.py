@@ -10,12 +10,17 @@ still sends (up to a bound), then closes.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.memory import release_freed_memory
+
 DRAIN_FACTOR = 4
+#: A body at least this big, once freed, has the allocator give free pages back to the OS.
+TRIM_AFTER_BYTES = 4 << 20
 
 
 class BodyBudget:
@@ -69,8 +74,10 @@ class BodyLimits:
     has answered."""
 
     def __init__(self, app: ASGIApp, *, max_body_bytes: int, budget: BodyBudget,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1,
+                 release: Callable[[], object] = release_freed_memory) -> None:
         self.app = app
+        self.trims = _Trims(release)
         self.max_body_bytes = max_body_bytes
         self.budget = budget
         self.retry_after = (b"retry-after", str(retry_after_s).encode())
@@ -124,6 +131,8 @@ class BodyLimits:
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.budget.give(taken)
+            if taken >= TRIM_AFTER_BYTES:
+                self.trims.request()
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str, *,
                          drain: bool = True) -> None:
@@ -139,6 +148,37 @@ class BodyLimits:
                      f"{b.limit_bytes} bytes (server.body_budget_bytes); retry later",
                      headers=[self.retry_after],
                      drain_bytes=self.drain_bytes if drain else 0)
+
+
+class _Trims:
+    """Runs `release` (server.memory) in a thread after big bodies are freed: on the loop's
+    next turn (when the request's frames, and so its body, are gone), one at a time; a
+    request while one runs makes it run once more after."""
+
+    def __init__(self, release: Callable[[], object]) -> None:
+        self.release = release
+        self.running = False
+        self.again = False
+        self.done = 0  # how many have run (tests)
+
+    def request(self) -> None:
+        if self.running:
+            self.again = True
+            return
+        self.running = True
+        asyncio.get_running_loop().call_soon(self._start)
+
+    def _start(self) -> None:
+        self.again = False
+        fut = asyncio.get_running_loop().run_in_executor(None, self.release)
+        fut.add_done_callback(self._finished)
+
+    def _finished(self, _: object) -> None:
+        self.done += 1
+        if self.again:
+            self._start()
+        else:
+            self.running = False
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
