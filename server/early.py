@@ -9,9 +9,13 @@ same status, JSON body (`error`, `reason`) and `Retry-After` as a refusal after 
 
 The connection is kept: uvicorn's httptools protocol reads and drops the rest of a body
 once the answer is complete (`on_body` ignores bytes after it), so a client that sends its
-whole body before reading (urllib, requests, tritonclient, aiohttp) reads the 429 rather
-than a reset, and its next request reuses the connection. A request whose batch turns out
-to be bigger than one item is checked again, whole, when it is admitted.
+whole body before reading (requests, tritonclient, aiohttp) reads the 429 rather than a
+reset, and its next request reuses the connection. A client that asked to close the
+connection after the answer (urllib sends `Connection: close`) gets its answer and then
+the rest of its body is read and dropped before the close (up to `drain_bytes`), as the
+body limits do: closing with its bytes unread would reset the connection mid-upload.
+A request whose batch turns out to be bigger than one item is checked again, whole, when
+it is admitted.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
+from server.limits import closes_after, drain
 
 log = logging.getLogger("dstack.server")
 
@@ -37,11 +42,13 @@ class EarlyRefusal:
     infer route feeds, so that stats and metrics count them as any refusal)."""
 
     def __init__(self, app: ASGIApp, *, refuse_early: Callable[[str], None],
-                 count: Callable[[str, str], None], version: str) -> None:
+                 count: Callable[[str, str], None], version: str,
+                 drain_bytes: int = 0) -> None:
         self.app = app
         self.refuse_early = refuse_early
         self.count = count
         self.version = version
+        self.drain_bytes = drain_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -56,12 +63,13 @@ class EarlyRefusal:
                     self.count(model, e.reason)
                     if e.status_code >= 500 and not e.logged:  # as the app's handler does
                         log.warning("%s: %s", type(e).__name__, e.message)
-                    await _answer(send, e)
+                    await _answer(scope, receive, send, e, self.drain_bytes)
                     return
         await self.app(scope, receive, send)
 
 
-async def _answer(send: Send, e: DStackError) -> None:
+async def _answer(scope: Scope, receive: Receive, send: Send, e: DStackError,
+                  drain_bytes: int) -> None:
     doc: dict[str, str] = {"error": e.message}
     if e.rule is not None:
         doc["reason"] = e.rule
@@ -71,4 +79,8 @@ async def _answer(send: Send, e: DStackError) -> None:
     if e.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode()))
     await send({"type": "http.response.start", "status": e.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    closing = closes_after(scope)
+    await send({"type": "http.response.body", "body": body, "more_body": closing})
+    if closing:
+        await drain(scope, receive, drain_bytes)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -58,6 +58,14 @@ async def refuse(scope: Scope, receive: Receive, send: Send, status: int, messag
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"), *headers]})
     await send({"type": "http.response.body", "body": body, "more_body": True})
+    await drain(scope, receive, drain_bytes)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def drain(scope: Scope, receive: Receive, drain_bytes: int) -> None:
+    """Read and drop up to `drain_bytes` of a request body the client is still sending, so
+    that closing the connection after the answer does not reset it mid-upload (the client
+    would see a broken pipe instead of the answer)."""
     # With `Expect: 100-continue` the client waits for our word and sends nothing: no drain.
     left = 0 if _header(scope, b"expect") else drain_bytes
     while left > 0:
@@ -65,7 +73,15 @@ async def refuse(scope: Scope, receive: Receive, send: Send, status: int, messag
         if msg["type"] != "http.request" or not msg.get("more_body", False):
             break
         left -= len(msg.get("body", b""))
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def closes_after(scope: Scope) -> bool:
+    """Whether the server closes the connection after answering this request (the client
+    asked for it, or HTTP/1.0 without keep-alive)."""
+    conn = (_header(scope, b"connection") or b"").lower()
+    if scope.get("http_version") == "1.0":
+        return b"keep-alive" not in conn
+    return b"close" in conn
 
 
 class BodyLimits:

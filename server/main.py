@@ -67,7 +67,8 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
     refuse_early = getattr(runtime, "refuse_early", None)
     if refuse_early is not None:  # outside the body limits: refused before the body is read
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
-                           count=app.state.metrics.failures.add, version=MODEL_VERSION)
+                           count=app.state.metrics.failures.add, version=MODEL_VERSION,
+                           drain_bytes=s.max_body_bytes)
     if auth_token is not None:  # outermost: no body is read for a request without the token
         app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
                            drain_bytes=s.max_body_bytes)

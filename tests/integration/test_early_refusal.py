@@ -131,6 +131,26 @@ def test_a_client_that_sends_its_body_first_reads_the_refusal_and_it_is_counted(
     assert 'reason="unavailable"' in metrics
 
 
+def test_a_client_that_asked_to_close_can_still_send_its_body_after_the_answer(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """urllib sends `Connection: close`: the server closes after answering, and closing
+    with the body still arriving would reset the client mid-upload (a broken pipe instead
+    of the 429). The rest of the body is read and dropped first, then the close is clean."""
+    addr, backend = served
+    backend.refusal = refusal_error(RefusalReason.QUEUE_FULL, "model double: queue is full")
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(_head(BODY).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+            status, headers, _ = _response(s)  # answered before any of the body
+            assert status == 429
+            time.sleep(0.2)  # the server has had every chance to close by now
+            s.sendall(b"0" * BODY)  # raises BrokenPipe/ConnectionReset if it closed early
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(1) == b""  # then a clean end of stream
+    finally:
+        backend.refusal = None
+
+
 def test_unknown_models_and_other_versions_are_left_to_the_routes(
         served: tuple[tuple[str, int], RefusingBackend]) -> None:
     addr, backend = served
