@@ -464,14 +464,7 @@ class Runtime:
         refusal then costs no body. Returns when the request may go on (it is admitted, or
         refused on its real size, by `infer`)."""
         self.check_admission(model)
-        core = self.core
-        assert core is not None
-        now = self._clock()
-        got = core.refuse_early(model, 1, now)
-        if got is not None:
-            if self.replanner is not None:
-                self.replanner.record(model, now)  # demand: counted as `infer` counts it
-            raise refusal_error(got.reason, got.message)
+        self.check_batch(model, 1)
 
     def check_batch(self, model: str, n: int) -> None:
         """Raise the dispatch core's refusal (429) of a request of `n` items for `model`
