@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(results))
     path = outdir / "closed_loop.json"
     path.write_text(json.dumps(results, indent=1))
-    print(f"\nwrote {path.relative_to(ROOT)}; {results['elapsed_s']:.0f} s; load average "
+    print(f"\nwrote {os.path.relpath(path)}; {results['elapsed_s']:.0f} s; load average "
           f"at start {results['load_average_start']}, at end {results['load_average_end']}")
     return 1 if failed else 0
 

@@ -11,6 +11,8 @@ import cython
 
 TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
 LOW_RISE = 0.005  # how far the fast-end line rises toward a slower batch, per batch
+SLOW_Q = 0.9  # `slow` is this quantile of (observed / estimated) batch time ...
+SLOW_STEP = 0.05  # ... tracked by steps of this size (up SLOW_Q, down 1 - SLOW_Q of it)
 
 
 # An extension type when compiled (setup.py): the simulator and the dispatcher ask it on
@@ -30,7 +32,14 @@ class LinearLatency:
     the mean. Refusals use it, so a request is refused only when even the speed the model
     reached recently cannot answer it in time. Without it, contention feeds on itself: a
     slower batch (the machine shared with the very clients being refused, who retry at
-    once) raises the estimate, which refuses more, which brings more retries."""
+    once) raises the estimate, which refuses more, which brings more retries.
+
+    `high_s` is the slow end: the mean times `slow`, a running `SLOW_Q` quantile of how
+    much longer than the mean batches take (never below 1). It is relative: a machine
+    that got slower moves the mean, and `slow` only measures the spread around it. A
+    request that waits behind others is admitted on it (`dstack.runtime.dispatch`): a
+    queue kept full to the last request the mean would admit answers about half of those
+    late, since each is admitted at the margin. One outlier moves it by one step."""
 
     k_s: cython.double  # fixed cost per batch
     t_s: cython.double  # cost per item
@@ -39,6 +48,7 @@ class LinearLatency:
     far_streak: cython.long = 0  # consecutive observations far off in the same direction
     lo_k_s: cython.double = -1.0  # the fast-end line (refusal_s); -1: not split off yet
     lo_t_s: cython.double = 0.0
+    slow: cython.double = 1.0  # high_s / estimate_s: see the class docstring
 
     @property
     def trusted(self) -> bool:
@@ -66,6 +76,12 @@ class LinearLatency:
         lo: cython.double = self.lo_k_s + self.lo_t_s * max(n, 1)
         return lo if lo < mean else mean
 
+    @cython.ccall
+    def high_s(self, n: cython.long) -> cython.double:
+        """What a batch of n takes at the slow end of recent batches (see the class
+        docstring): admission reads it for a request that waits behind others."""
+        return self.estimate_s(n) * self.slow
+
     @cython.cfunc
     def _observe_low(self, n: cython.long, seconds: cython.double) -> cython.void:
         if self.lo_k_s < 0:
@@ -91,6 +107,11 @@ class LinearLatency:
         self.observations += 1
         if pred <= 0:
             return
+        if self.observations > TRUST_AFTER:  # the seed's own error is not spread
+            if seconds > pred * self.slow:
+                self.slow += SLOW_STEP * SLOW_Q
+            else:
+                self.slow = max(1.0, self.slow - SLOW_STEP * (1 - SLOW_Q))
         # Far off (more than 2x either way): believed only when it happens twice in a row
         # in the same direction (or while the estimate is still a seed), then the line
         # moves most of the way at once. A lone outlier (a stall on a busy machine) moves

@@ -31,17 +31,19 @@ The refusal rules (every refusal names one):
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
 
-Admission and expiry in the queue read the estimate's fast end (`LinearLatency.refusal_s`:
-what recent batches took at their quickest, rising only slowly), not its mean: a request is
-refused there only when even that says it cannot make it, so contention cannot feed on
-itself through refusals and retries. Except when the model is *backlogged*: at least one
-full batch (the policy's cap) is queued ahead of the request. A backlog drains at the
-speed batches really run, so admission then reads the mean for the whole of the work ahead
-(the running batch's likeliest end, the full batches, the request's own batch): what the
-fast end would admit there is refused later, as `expired`, after waiting most of its SLO.
-A closed loop of retrying clients keeps at most one request per client queued, so it stays
-on the fast end. The trim at launch reads the mean: that batch runs now, and its likeliest
-length decides which heads it would answer late.
+Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
+batches took at their quickest, rising only slowly), and so does admission of a request
+with nothing queued ahead of it: it is refused only when even that says it cannot make it,
+so contention cannot feed on itself through refusals and retries, and a model whose queue
+empties always gets its next request through. A request that would wait behind queued
+work is admitted on the estimate's *slow end* (`LinearLatency.high_s`: the mean times a
+running 90th percentile of how much longer than the mean batches run) for all of it: the
+running batch's end, the batches ahead, its own batch. Under overload the queue stays full
+up to the last request admission lets in, so every request admitted is one at the margin:
+on the mean about half of them were refused later, as `expired`, after waiting most of
+their SLO, or answered late (measured in docs/reliability.md). The trim at launch reads
+the mean: that batch runs now, and its likeliest length decides which heads it would
+answer late.
 
 `refuse_early(model, n, now)` asks the admission rules without queuing (the server asks it
 before reading a request's body, with n = 1: a refusal then costs no body).
@@ -202,7 +204,7 @@ class _Model:
     head_deadline: cython.double
     running = cython.declare(cython.bint, visibility="public")
     run_until: cython.double  # when the running batch should end (the estimate's fast end)
-    run_mean_until: cython.double  # ... and by its mean (read while backlogged)
+    run_high_until: cython.double  # ... and by its slow end (read with work queued ahead)
     last_done: cython.double  # when its last batch ended (or serving began)
     est_refused: cython.bint  # it has refused by estimate since its last finished batch
     probing: cython.bint  # a probe is queued or running: the estimate refuses nothing
@@ -231,7 +233,7 @@ class _Model:
         self.head_deadline = 0.0
         self.running = False
         self.run_until = 0.0
-        self.run_mean_until = 0.0
+        self.run_high_until = 0.0
         self.last_done = 0.0
         self.est_refused = False
         self.probing = False
@@ -462,11 +464,11 @@ class _Core:
             start: cython.double = now
             per_batch: cython.double
             own_s: cython.double
-            if full_batches > 0:  # backlogged: the work ahead runs at the mean
-                if st.running and st.run_mean_until > now:
-                    start = st.run_mean_until
-                per_batch = est.estimate_s(cap)
-                own_s = est.estimate_s(own)
+            if ahead > 0:  # it waits behind others: all of it at the slow end
+                if st.running and st.run_high_until > now:
+                    start = st.run_high_until
+                per_batch = est.high_s(cap)
+                own_s = est.high_s(own)
             else:
                 if st.running and st.run_until > now:
                     start = st.run_until
@@ -645,7 +647,7 @@ class _Core:
         if est is None:
             est = st.estimate
         st.run_until = now + (est.refusal_s(taken) if est is not None else 0.0)
-        st.run_mean_until = now + (est.estimate_s(taken) if est is not None else 0.0)
+        st.run_high_until = now + (est.high_s(taken) if est is not None else 0.0)
         return Batch(model, i, tuple(tickets), taken, now, reuse)
 
     # ------------------------------------------------------------------ results
@@ -694,7 +696,7 @@ class _Core:
         st.running = False
         st.dirty = True
         st.run_until = now
-        st.run_mean_until = now
+        st.run_high_until = now
         st.last_done = now
 
     def drain(self, model: str | None = None) -> tuple[Ticket, ...]:

@@ -259,8 +259,7 @@ def test_slower_batches_raise_the_refusal_estimate_only_slowly() -> None:
     assert est.estimate_s(1) > 0.040  # the mean follows
     assert est.refusal_s(1) < 0.020  # the fast end barely moved
     core = core_for(slo_s=0.1, estimates={A: est})
-    assert isinstance(core.admit(A, 1, 0.0), Ticket)
-    assert isinstance(core.admit(A, 1, 0.0), Ticket)  # one ahead: 2 x fast end < 100 ms
+    assert isinstance(core.admit(A, 1, 0.0), Ticket)  # nothing ahead: the fast end
     for _ in range(2000):  # persistent: the fast end gets there in the end
         est.observe(1, 0.050)
     assert est.refusal_s(1) > 0.045
@@ -268,21 +267,48 @@ def test_slower_batches_raise_the_refusal_estimate_only_slowly() -> None:
     assert est.refusal_s(1) < 0.035
 
 
-def test_a_backlogged_model_admits_on_the_mean_of_its_batches() -> None:
-    """Batches of 4 take 40 ms on the mean, 20 ms at the fast end; SLO 100 ms. With less
-    than a batch queued ahead the fast end decides (a closed loop of retrying clients stays
-    there, even when the mean alone would refuse); with a full batch ahead the backlog runs
-    at the mean, so a request that would only fit at the fast end is refused at once rather
-    than expiring in the queue."""
-    est = LinearLatency(0.04, 0.0, observations=10, lo_k_s=0.02)
+def test_a_request_behind_others_is_admitted_on_the_slow_end() -> None:
+    """Batches of 4 take 40 ms on the mean, 60 ms at the slow end (the spread of recent
+    batches: 1.5x), 20 ms at the fast end; SLO 100 ms. With nothing queued ahead the fast
+    end decides, so a model whose queue empties always takes its next request (here even
+    a model whose mean alone, 150 ms, would refuse it). A request that would wait behind
+    others is admitted only where the slow end still answers it in time: under overload
+    the queue fills to the last request admitted, and one admitted on the mean would be
+    late about as often as not."""
+    est = LinearLatency(0.04, 0.0, observations=10, lo_k_s=0.02, slow=1.5)
     core = core_for(estimates={A: est})
-    for _ in range(8):  # 0-3 ahead: fast end; 4-7 ahead: 40 + 40 ms
+    for _ in range(4):  # 0 ahead: fast end; 1-3 ahead: its own batch, 60 ms at the slow end
         assert isinstance(core.admit(A, 1, 0.0), Ticket)
-    r = core.admit(A, 1, 0.0)  # 8 ahead: two batches and its own, 120 ms at the mean
+    r = core.admit(A, 1, 0.0)  # 4 ahead: a full batch and its own, 120 ms at the slow end
     assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
-    assert "8 items are queued ahead" in r.message and "40.0 ms per batch" in r.message
+    assert "4 items are queued ahead" in r.message and "60.0 ms per batch" in r.message
+    on_mean = core_for(estimates={A: LinearLatency(0.04, 0.0, observations=10, lo_k_s=0.02)})
+    for _ in range(5):  # slow end == mean (no spread): 40 + 40 ms fits
+        assert isinstance(on_mean.admit(A, 1, 0.0), Ticket)
     slow = core_for(estimates={A: LinearLatency(0.15, 0.0, observations=10, lo_k_s=0.02)})
     assert isinstance(slow.admit(A, 1, 0.0), Ticket)  # nothing ahead: the fast end (20 ms)
+    assert isinstance(slow.admit(A, 1, 0.0), Refusal)  # one ahead: 150 ms at the slow end
+
+
+def test_the_slow_end_follows_the_spread_of_batches_not_their_level() -> None:
+    """`slow` is a high quantile of observed / estimated: batches that vary (8 in 10 at
+    10 ms, 2 in 10 at 25 ms) put the slow end at the slow ones; one outlier moves it by one
+    small step; a machine that got uniformly slower moves the mean, not the spread."""
+    est = LinearLatency(0.010, 0.0)
+    for i in range(600):
+        est.observe(1, 0.025 if i % 10 >= 8 else 0.010)
+    assert 0.020 < est.high_s(1) < 0.030
+    assert est.estimate_s(1) < 0.015
+    steady = LinearLatency(0.010, 0.0)
+    for _ in range(100):
+        steady.observe(1, 0.010)
+    assert steady.high_s(1) == pytest.approx(0.010)
+    steady.observe(1, 0.100)  # one stall
+    assert steady.high_s(1) < 0.011 * 1.1
+    for _ in range(300):  # twice as slow from now on
+        steady.observe(1, 0.020)
+    assert steady.estimate_s(1) == pytest.approx(0.020, rel=0.05)
+    assert steady.high_s(1) < 0.020 * 1.1
 
 
 def test_refuse_early_answers_as_admit_would_without_queuing() -> None:
