@@ -311,6 +311,30 @@ def test_the_slow_end_follows_the_spread_of_batches_not_their_level() -> None:
     assert steady.high_s(1) < 0.020 * 1.1
 
 
+def test_admission_counts_what_a_batch_costs_beyond_its_compute() -> None:
+    """The worker times its compute (40 ms a batch here); the batch ends at the server 30
+    ms later (the hand-over there and back, on a busy machine). Admission counts both:
+    with a full batch of 4 queued ahead a request would end 140 ms after arrival, over its
+    100 ms SLO; a core whose batches end when their compute does admits it (80 ms)."""
+    def learned(extra_s: float) -> tuple[DispatchCore, float]:
+        core = core_for(estimates={A: trusted(0.04)})
+        now = 0.0
+        for _ in range(60):
+            assert isinstance(core.admit(A, 1, now), Ticket)
+            b = core.step(now).launches[0]
+            now += 0.04 + extra_s
+            core.complete(b, 0.04, now)
+        for _ in range(4):
+            assert isinstance(core.admit(A, 1, now), Ticket)
+        return core, now
+
+    slow_hand_over, now = learned(0.03)
+    r = slow_hand_over.admit(A, 1, now)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    quick, now = learned(0.0)
+    assert isinstance(quick.admit(A, 1, now), Ticket)
+
+
 def test_refuse_early_answers_as_admit_would_without_queuing() -> None:
     core = core_for(estimates={A: trusted(0.04)})
     assert core.refuse_early(A, 1, 0.0) is None
