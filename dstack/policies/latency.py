@@ -7,12 +7,17 @@ batch windows use what the worker really does now. Pure: no clocks, no I/O.
 
 from __future__ import annotations
 
+import math
+
 import cython
 
 TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
 LOW_RISE = 0.005  # how far the fast-end line rises toward a slower batch, per batch
 SLOW_Q = 0.9  # `slow` is this quantile of (observed / estimated) batch time ...
 SLOW_STEP = 0.05  # ... tracked by steps of this size (up SLOW_Q, down 1 - SLOW_Q of it)
+P_START = 1.0  # the fit's covariance at the start (`_fit`; units of the noise)
+P_CAP = 0.25  # ... and the most it may grow to in a direction batches do not measure
+N_SCALE = 8.0  # batch sizes are fitted as n / N_SCALE
 
 
 # An extension type when compiled (setup.py): the simulator and the dispatcher ask it on
@@ -46,9 +51,14 @@ class LinearLatency:
     alpha: cython.double = 0.1  # weight of a new observation
     observations: cython.long = 0
     far_streak: cython.long = 0  # consecutive observations far off in the same direction
-    lo_k_s: cython.double = -1.0  # the fast-end line (refusal_s); -1: not split off yet
-    lo_t_s: cython.double = 0.0
+    lo_s: cython.double = -1.0  # the fast end of a batch of 1 (refusal_s); -1: not yet
     slow: cython.double = 1.0  # high_s / estimate_s: see the class docstring
+    # The fit's covariance (recursive least squares, in units of the noise): how sure the
+    # line is of k_s and t_s, alone and together. p_kk < 0: not started (the seed is a
+    # guess, so the first batches move the line most of the way).
+    p_kk: cython.double = -1.0
+    p_kt: cython.double = 0.0
+    p_tt: cython.double = 0.0
 
     @property
     def trusted(self) -> bool:
@@ -71,9 +81,9 @@ class LinearLatency:
         """What a batch of n takes at the fast end of recent batches (see the class
         docstring); refusals use it."""
         mean: cython.double = self.estimate_s(n)
-        if self.lo_k_s < 0:
+        if self.lo_s < 0:
             return mean
-        lo: cython.double = self.lo_k_s + self.lo_t_s * max(n, 1)
+        lo: cython.double = self.lo_s * mean / self.estimate_s(1)
         return lo if lo < mean else mean
 
     @cython.ccall
@@ -84,26 +94,60 @@ class LinearLatency:
 
     @cython.cfunc
     def _observe_low(self, n: cython.long, seconds: cython.double) -> cython.void:
-        if self.lo_k_s < 0:
+        if self.lo_s < 0:
             return  # split off in `observe`, from the seed, before its first batch
-        lo: cython.double = self.lo_k_s + self.lo_t_s * max(n, 1)
-        if lo <= 0:
-            return
-        err: cython.double = seconds - lo
-        a: cython.double = 0.5 if err < 0 else LOW_RISE
-        share_k: cython.double = self.lo_k_s / lo
-        self.lo_k_s = max(1e-6, self.lo_k_s + a * err * share_k)
-        self.lo_t_s = max(0.0, self.lo_t_s + a * err * (1 - share_k) / max(n, 1))
+        # the batch's time as a batch of 1 would have taken it, by the mean line's shape
+        one: cython.double = seconds * self.estimate_s(1) / self.estimate_s(n)
+        err: cython.double = one - self.lo_s
+        self.lo_s = max(1e-6, self.lo_s + (0.5 if err < 0 else LOW_RISE) * err)
+
+    @cython.cfunc
+    def _fit(self, n: cython.long, err: cython.double, restart: cython.bint) -> cython.void:
+        """One step of recursive least squares on (1, n) -> seconds, forgetting at
+        1 - alpha a batch: batches of several sizes pin both the fixed and the per-item
+        cost, where an error split by their shares of the prediction keeps the line's
+        proportions (a line seeded through the origin stayed there, and overestimated
+        big batches by half while it matched batches of 1). Worked in (1, n / N_SCALE),
+        where both costs are of one size, so that the covariance can be bounded alike."""
+        if restart or self.p_kk < 0:  # as unsure as at the start: move most of the way
+            self.p_kk, self.p_kt, self.p_tt = P_START, 0.0, P_START
+        z: cython.double = max(n, 1) / N_SCALE
+        lam: cython.double = 1.0 - self.alpha
+        px_k: cython.double = self.p_kk + self.p_kt * z  # P x
+        px_t: cython.double = self.p_kt + self.p_tt * z
+        denom: cython.double = lam + px_k + px_t * z
+        g_k: cython.double = px_k / denom
+        g_t: cython.double = px_t / denom
+        self.k_s = max(1e-6, self.k_s + g_k * err)
+        self.t_s = max(0.0, self.t_s + g_t * err / N_SCALE)
+        self.p_kk = (self.p_kk - g_k * px_k) / lam
+        self.p_kt = (self.p_kt - g_k * px_t) / lam
+        self.p_tt = (self.p_tt - g_t * px_t) / lam
+        # Batches all of one size leave the other direction unmeasured, where forgetting
+        # alone would grow the covariance without bound: its largest eigenvalue is kept
+        # within P_CAP (a rare batch of another size then moves the line part of the way
+        # to it, not all of it), the measured direction untouched.
+        half: cython.double = 0.5 * (self.p_kk + self.p_tt)
+        disc: cython.double = math.sqrt(0.25 * (self.p_kk - self.p_tt) ** 2 + self.p_kt ** 2)
+        top: cython.double = half + disc
+        if top > P_CAP and not restart:
+            v_k: cython.double = self.p_kt
+            v_t: cython.double = top - self.p_kk
+            if abs(v_k) + abs(v_t) < 1e-300:  # diagonal, p_kk the larger
+                v_k, v_t = 1.0, 0.0
+            norm: cython.double = v_k * v_k + v_t * v_t
+            cut: cython.double = (top - P_CAP) / norm
+            self.p_kk -= cut * v_k * v_k
+            self.p_kt -= cut * v_k * v_t
+            self.p_tt -= cut * v_t * v_t
 
     @cython.ccall
     def observe(self, n: cython.long, seconds: cython.double) -> cython.void:
-        """Move the line toward an observed (n, seconds) point, keeping its slope's sign:
-        the error is split between the fixed and the per-item term in proportion to
-        their share of the prediction."""
+        """Move the line toward an observed (n, seconds) point (`_fit`)."""
         pred: cython.double = self.estimate_s(n)
         err: cython.double = seconds - pred
-        if self.lo_k_s < 0:  # the fast end starts at the seed (a profile, a warm-up)
-            self.lo_k_s, self.lo_t_s = self.k_s, self.t_s
+        if self.lo_s < 0:  # the fast end starts at the seed (a profile, a warm-up)
+            self.lo_s = self.estimate_s(1)
         self.observations += 1
         if pred <= 0:
             return
@@ -115,7 +159,7 @@ class LinearLatency:
         # Far off (more than 2x either way): believed only when it happens twice in a row
         # in the same direction (or while the estimate is still a seed), then the line
         # moves most of the way at once. A lone outlier (a stall on a busy machine) moves
-        # it as a 2x observation would, by `alpha`: it cannot flip refusals on its own.
+        # it as a 2x observation would: it cannot flip refusals on its own.
         far: cython.long = 0
         if seconds > 2 * pred:
             far = 1
@@ -127,14 +171,10 @@ class LinearLatency:
             self.far_streak += far
         else:
             self.far_streak = far
-        alpha: cython.double = self.alpha
-        if self.observations <= TRUST_AFTER or (far != 0 and abs(self.far_streak) >= 2):
-            alpha = 0.7
-        elif far != 0:
+        restart: cython.bint = far != 0 and abs(self.far_streak) >= 2
+        if far != 0 and not restart and self.observations > TRUST_AFTER:
             err = pred if far > 0 else -0.5 * pred
-        share_k = self.k_s / pred
-        self.k_s = max(1e-6, self.k_s + alpha * err * share_k)
-        self.t_s = max(0.0, self.t_s + alpha * err * (1 - share_k) / max(n, 1))
+        self._fit(n, err, restart)
         self._observe_low(n, seconds)
 
     @cython.ccall

@@ -79,6 +79,9 @@ from dstack.policies.latency import LinearLatency
 PROBE_S = 1.0
 #: Weight of a new batch in the mean of `overhead_s` (launch to completion minus compute).
 OVERHEAD_ALPHA = cython.declare(cython.double, 0.1)
+#: Time constant (s) of a model's admitted-items rate, which admission reads to size the
+#: batch a request will join (later arrivals fill it up to the cap before it launches).
+RATE_TAU_S = cython.declare(cython.double, 1.0)
 
 _INF = cython.declare(cython.double, math.inf)
 _UNSERVED_KEY = cython.declare(cython.longlong, 1 << 60)
@@ -224,6 +227,11 @@ class _Model:
     # hand-over to the worker and back, from launch to `complete`. A mean of recent
     # batches; added to every batch whose end the core predicts (0 in the simulator).
     overhead_s: cython.double
+    # Items admitted per second, decayed with RATE_TAU_S, as of `rate_at`: how fast later
+    # requests join a batch that has not launched yet (refused ones never count, so a
+    # storm of refusals and retries cannot inflate it).
+    rate: cython.double
+    rate_at: cython.double
     unserved: object  # why the policy does not serve it (str), or None
     dirty: cython.bint  # its queue view must be made again
 
@@ -251,6 +259,8 @@ class _Model:
         self.unserved = None
         self.dirty = True
         self.overhead_s = 0.0
+        self.rate = 0.0
+        self.rate_at = 0.0
         self.learned()
 
     @cython.ccall
@@ -261,7 +271,17 @@ class _Model:
         self.one_s = est.refusal_s(1) + self.overhead_s if self.trusted else 0.0
 
     @cython.cfunc
+    def rate_now(self, now: cython.double) -> cython.double:
+        """Items admitted per second lately (see `rate`)."""
+        if now <= self.rate_at:
+            return self.rate
+        return self.rate * math.exp((self.rate_at - now) / RATE_TAU_S)
+
+    @cython.cfunc
     def push(self, t: Ticket) -> cython.void:
+        self.rate = self.rate_now(t.arrival) + t.n / RATE_TAU_S
+        if t.arrival > self.rate_at:
+            self.rate_at = t.arrival
         if self.qlen == 0:
             self.head_arrival = t.arrival
             self.head_deadline = t.deadline
@@ -485,8 +505,19 @@ class _Core:
                 per_batch = est.refusal_s(cap)
                 own_s = est.refusal_s(own)
             per_batch += st.overhead_s
+            # Its batch launches after the running one and the full batches ahead; what
+            # arrives meanwhile joins it, up to the cap (under load every batch is full):
+            # a request admitted on its batch as it is now would be answered late, or
+            # refused at launch as `expired` after waiting, whenever its batch filled up.
+            launch: cython.double = start + full_batches * per_batch
+            if own < cap and launch > now:
+                joining: cython.double = st.rate_now(now) * (launch - now)
+                own = own + cython.cast(cython.longlong, joining + 0.5)  # the likeliest count
+                if own > cap:
+                    own = cap
+                own_s = est.high_s(own) if ahead > 0 else est.refusal_s(own)
             own_s += st.overhead_s
-            finish: cython.double = start + full_batches * per_batch + own_s
+            finish: cython.double = launch + own_s
             if finish > t.deadline:
                 st.est_refused = True
                 return self._refusal(

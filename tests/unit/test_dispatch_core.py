@@ -275,17 +275,17 @@ def test_a_request_behind_others_is_admitted_on_the_slow_end() -> None:
     others is admitted only where the slow end still answers it in time: under overload
     the queue fills to the last request admitted, and one admitted on the mean would be
     late about as often as not."""
-    est = LinearLatency(0.04, 0.0, observations=10, lo_k_s=0.02, slow=1.5)
+    est = LinearLatency(0.04, 0.0, observations=10, lo_s=0.02, slow=1.5)
     core = core_for(estimates={A: est})
     for _ in range(4):  # 0 ahead: fast end; 1-3 ahead: its own batch, 60 ms at the slow end
         assert isinstance(core.admit(A, 1, 0.0), Ticket)
     r = core.admit(A, 1, 0.0)  # 4 ahead: a full batch and its own, 120 ms at the slow end
     assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
     assert "4 items are queued ahead" in r.message and "60.0 ms per batch" in r.message
-    on_mean = core_for(estimates={A: LinearLatency(0.04, 0.0, observations=10, lo_k_s=0.02)})
+    on_mean = core_for(estimates={A: LinearLatency(0.04, 0.0, observations=10, lo_s=0.02)})
     for _ in range(5):  # slow end == mean (no spread): 40 + 40 ms fits
         assert isinstance(on_mean.admit(A, 1, 0.0), Ticket)
-    slow = core_for(estimates={A: LinearLatency(0.15, 0.0, observations=10, lo_k_s=0.02)})
+    slow = core_for(estimates={A: LinearLatency(0.15, 0.0, observations=10, lo_s=0.02)})
     assert isinstance(slow.admit(A, 1, 0.0), Ticket)  # nothing ahead: the fast end (20 ms)
     assert isinstance(slow.admit(A, 1, 0.0), Refusal)  # one ahead: 150 ms at the slow end
 
@@ -347,3 +347,31 @@ def test_refuse_early_answers_as_admit_would_without_queuing() -> None:
     c = core.counters(A)
     assert (c.arrived, c.admitted, c.refused["work_ahead"]) == (9, 8, 1)
     assert core.queue_items(A) == 8 and core.refuse_early(B, 1, 0.0) is None
+
+
+def test_admission_counts_the_requests_that_will_join_its_batch_before_it_launches() -> None:
+    """Batches take 20 ms + 10 ms per item (a full batch of 4: 60 ms); SLO 100 ms. A batch
+    of 3 runs until 50 ms. A new request's batch launches then; counted as it is now (1
+    item) it would end at 80 ms, but requests that arrive meanwhile join it up to the
+    cap: at 100 requests/s, five come in 50 ms and its batch of 4 ends at 110 ms, late
+    (before, it was admitted, then refused at launch after waiting, or answered late).
+    Where requests trickle in, the same request is admitted."""
+    def core_at(rate_rps: float) -> tuple[DispatchCore, float]:
+        core = core_for(estimates={A: trusted(0.02, 0.01)})
+        now = 0.0
+        while now < 2.0:  # a steady stream, each request served alone
+            assert isinstance(core.admit(A, 1, now), Ticket)
+            b = core.step(now).launches[0]
+            core.complete(b, 0.03, now + 0.03)
+            now += 1.0 / rate_rps
+        for _ in range(3):
+            core.admit(A, 1, now)
+        assert core.step(now).launches[0].n == 3  # runs until 50 ms
+        return core, now
+
+    busy, now = core_at(100.0)
+    r = busy.admit(A, 1, now)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "finish 110.0 ms after arrival" in r.message
+    quiet, now = core_at(2.0)
+    assert isinstance(quiet.admit(A, 1, now), Ticket)  # alone, it ends at 80 ms

@@ -148,3 +148,21 @@ def test_a_lull_replans_only_after_down_hold_but_a_rise_at_once() -> None:
     # A rise re-plans as soon as it is confirmed, even while another model's rate is low.
     assert not t.should_replan(46.0, {A: 4.0, B: 5.0})
     assert t.should_replan(47.0, {A: 4.0, B: 5.0})
+
+
+def test_the_latency_estimate_learns_the_fixed_and_the_per_item_cost_apart() -> None:
+    """Seeded through the origin (a warm-up that put all the time in the per-item cost:
+    5.5 ms an item), fed mostly batches of 1 and some of 2 to 8 that really take 3.3 ms +
+    2.9 ms an item, with +-15% noise: the line must come to pass through both ends. An
+    error split by the two costs' shares of the prediction kept the seed's proportions and
+    overestimated a batch of 8 by half while it matched a batch of 1."""
+    import random
+
+    rng = random.Random(3)
+    est = LinearLatency(1e-6, 0.0055)
+    for _ in range(400):
+        n = rng.choice([1, 1, 1, 1, 1, 2, 3, 4, 6, 8])
+        est.observe(n, (0.0033 + 0.0029 * n) * rng.uniform(0.85, 1.15))
+    for n in (1, 4, 8):
+        assert est.estimate_s(n) == pytest.approx(0.0033 + 0.0029 * n, rel=0.1)
+    assert est.refusal_s(8) <= est.estimate_s(8) < est.high_s(8) < 1.3 * est.estimate_s(8)
