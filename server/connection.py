@@ -7,6 +7,13 @@ a socket (and a task) for ever, and stalled uploads hold graceful shutdown for i
 timeout. `LimitedHttpToolsProtocol` is uvicorn's httptools protocol with a timer per
 connection: armed when a request's header starts, reset by every body chunk, cancelled
 when the request has been read.
+
+At the connection cap a new connection is not refused while an open one is only waiting
+for a request header (just connected, part of a header sent, or kept alive between
+requests): the one that has waited longest is closed to make room. Slowloris sockets then
+cannot lock normal clients out for a whole header timeout. Only when every open connection
+is inside a request (its body arriving, or its answer not yet sent) is the newcomer
+refused with 503.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
@@ -32,6 +40,28 @@ class ConnectionLimits:
     retry_after_s: int = 1
 
 
+def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
+    """Raise this process's soft limit on open files (often 1024) to hold `max_connections`
+    client sockets and `headroom` more (the listening socket, worker pipes, logs, model
+    files), up to the hard limit; warn when the hard limit is lower. Without it, accept()
+    fails with EMFILE below the cap and asyncio stops accepting for a second at a time.
+    Returns the soft limit now (-1 where there are no such limits)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + headroom
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("open files limited to %d (hard limit): fewer than server.max_connections "
+                    "(%d) + %d; connections beyond it fail to be accepted (raise `ulimit -Hn`)",
+                    soft, max_connections, headroom)
+    return int(soft)
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
     """A whole HTTP/1.1 response `{"error": message}` that closes the connection."""
     body = json.dumps({"error": message}).encode()
@@ -45,38 +75,44 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `limits` (use `with_limits` to set them)."""
 
     limits: ClassVar[ConnectionLimits]
+    # The server's connections that wait for a request header, oldest first: a new one
+    # goes last, a kept-alive connection moves last when its next request starts. What
+    # `connection_made` closes at the cap. (One per `with_limits` class, i.e. per server.)
+    _waiting: ClassVar[OrderedDict[LimitedHttpToolsProtocol, None]]
     _last_cap_warning: ClassVar[float] = 0.0
+    _evicted: ClassVar[int] = 0  # since the last warning (every server in the process)
+    _refused: ClassVar[int] = 0
 
     @classmethod
     def with_limits(cls, limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
-        return type(cls.__name__, (cls,), {"limits": limits})
+        return type(cls.__name__, (cls,), {"limits": limits, "_waiting": OrderedDict()})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
         self._reading_body = False  # from the end of a header to the end of its body
+        self._in_header = False  # from a request's first byte to the end of its header
         self._last_body_at = 0.0
+        self._waiting_since = 0.0
 
     # -- connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        cap = self.limits.max_connections
-        if len(self.connections) > cap:
-            now = time.monotonic()
-            if now - LimitedHttpToolsProtocol._last_cap_warning > 10:
-                LimitedHttpToolsProtocol._last_cap_warning = now
-                log.warning("refusing connections: %d open (server.max_connections)", cap)
-            self.transport.write(error_response(
-                503, f"too many open connections (limit {cap}); retry later",
-                {"retry-after": str(self.limits.retry_after_s)}))
-            self.transport.close()
+        if len(self.connections) > self.limits.max_connections and not self._evict_oldest():
+            self._refuse()
             return
+        self._wait_for_header()
         self._arm(self.limits.header_timeout_s, self._header_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._waiting.pop(self, None)
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._wait_if_idle()
 
     def send_400_response(self, msg: str) -> None:
         # What httptools cannot parse (a bad request line, header, Content-Length or chunk
@@ -97,11 +133,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._in_header = True
         if self._timer is None:  # a kept-alive connection's next request (the first is armed)
             self._arm(self.limits.header_timeout_s, self._header_timed_out)
+            if self in self._waiting:  # idle until now: its header's wait starts now
+                self._wait_for_header()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        self._in_header = False
+        self._waiting.pop(self, None)
         self._reading_body = True
         self._last_body_at = self.loop.time()
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
@@ -114,6 +155,71 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_body = False
         self._disarm()
         super().on_message_complete()
+        self._wait_if_idle()
+
+    # -- the connection cap
+
+    def _wait_for_header(self) -> None:
+        self._waiting.pop(self, None)
+        self._waiting[self] = None
+        self._waiting_since = self.loop.time()
+
+    def _wait_if_idle(self) -> None:
+        """Once a request has been read and answered (whichever ends last) and no
+        pipelined one is queued, the connection waits for its next header: evictable."""
+        cycle = self.cycle
+        if (self._reading_body or self.pipeline or self.transport.is_closing()
+                or (cycle is not None and not cycle.response_complete)):
+            return
+        if self not in self._waiting:
+            self._wait_for_header()
+
+    def _evict_oldest(self) -> bool:
+        """Close the connection that has waited longest for a request header; False if
+        every open connection is inside a request. O(1) but for ones already closing."""
+        waiting = self._waiting
+        while waiting:
+            victim, _ = waiting.popitem(last=False)
+            if victim.transport.is_closing():
+                continue
+            victim._evict()
+            LimitedHttpToolsProtocol._evicted += 1
+            self._warn_at_cap()
+            return True
+        return False
+
+    def _evict(self) -> None:
+        """Closed to make room: a client that has sent part of a header gets a JSON 503
+        (it may read it); an idle one (nothing of a request sent) a bare close, as for
+        uvicorn's keep-alive timeout (an HTTP client opens a new connection)."""
+        self._disarm()
+        if self._in_header:
+            waited = self.loop.time() - self._waiting_since
+            self.transport.write(error_response(
+                503, f"too many open connections (limit {self.limits.max_connections}): "
+                     f"closed to make room, no complete request header after {waited:.1f} s; "
+                     "retry later", {"retry-after": str(self.limits.retry_after_s)}))
+        self.transport.close()
+
+    def _refuse(self) -> None:
+        cap = self.limits.max_connections
+        LimitedHttpToolsProtocol._refused += 1
+        self._warn_at_cap()
+        self.transport.write(error_response(
+            503, f"too many open connections (limit {cap}); retry later",
+            {"retry-after": str(self.limits.retry_after_s)}))
+        self.transport.close()
+
+    def _warn_at_cap(self) -> None:
+        now = time.monotonic()
+        if now - LimitedHttpToolsProtocol._last_cap_warning > 10:
+            LimitedHttpToolsProtocol._last_cap_warning = now
+            log.warning("at the connection cap (server.max_connections %d): since the last "
+                        "warning, %d connections waiting for a request header closed to make "
+                        "room, %d new ones refused (none was waiting for a header)",
+                        self.limits.max_connections, LimitedHttpToolsProtocol._evicted,
+                        LimitedHttpToolsProtocol._refused)
+            LimitedHttpToolsProtocol._evicted = LimitedHttpToolsProtocol._refused = 0
 
     # -- timers
 
@@ -128,6 +234,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _header_timed_out(self) -> None:
         self._timer = None
+        self._waiting.pop(self, None)
         log.debug("closing %s: no complete request header in %g s",
                   self.client, self.limits.header_timeout_s)
         self.transport.close()

@@ -27,7 +27,7 @@ from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
 from server.app import MODEL_VERSION, create_app
 from server.auth import BearerAuth, load_token
-from server.connection import ConnectionLimits, LimitedHttpToolsProtocol
+from server.connection import ConnectionLimits, LimitedHttpToolsProtocol, raise_fd_limit
 from server.early import EarlyRefusal
 from server.limits import BodyBudget, BodyLimits
 
@@ -171,6 +171,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         host = host if host is not None else cfg.server.host
         port = port if port is not None else cfg.server.port
         token = load_token(cfg.server)
+        raise_fd_limit(cfg.server.max_connections)
         try:
             sock = bind(host, port)
         except OSError as e:

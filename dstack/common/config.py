@@ -59,7 +59,11 @@ class ServerConfig(_Strict):
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """An upload that sends no byte for this many seconds gets 408 and is closed."""
     max_connections: Annotated[int, Field(ge=1)] = 1000
-    """Open client connections at most; one more is answered 503 and closed at once."""
+    """Open client connections at most. At the cap a new connection closes the one that
+    has waited longest for a request header (half sent, or idle between requests); when
+    every connection is inside a request, the new one is answered 503 and closed at once.
+    The server raises its own open-files soft limit to this + 256 at start-up (up to the
+    hard limit)."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still
     arriving are refused at once with 503); what is still running after it is cancelled."""
