@@ -16,8 +16,9 @@ Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
 - kill -9 of the resnet18 worker (PID from the server log) under 0.7x load;
 - 20 concurrent ~20 MB JSON bodies, with other traffic's p99 during them against unloaded,
   and the server's RSS after against before;
-- slowloris: 500 half-sent headers, normal traffic's p99 meanwhile, all closed within the
-  header timeout;
+- slowloris: 1,000 half-sent headers kept open (as many as the default connection cap),
+  normal traffic (a new connection per request) meanwhile: its p99 against unloaded, its
+  503s, and every stalled socket closed within the header timeout;
 - stalled uploads: 50 bodies cut half-way (body timeout 5 s here);
 - SIGTERM under load: exit code; every request answered, refused or turned away at
   connect, none hung;
@@ -319,25 +320,80 @@ def _big_json(mb: float) -> bytes:
 
 
 def slowloris(args: argparse.Namespace) -> Row:
+    """`--slowloris` half-header sockets, kept open for one header timeout and 2 s (the
+    attacker opens again, 0.1 s later, every socket the server closes), beside 0.5x load
+    sent each request on a new connection (as from many clients: what a full connection
+    cap turns away). Reported: that load's p99 against the same load unloaded, its 503s,
+    and how and when the server closed the stalled sockets (each socket's life from its
+    connect)."""
     base, slos = mix("dstack")
     rates = {m: r * 0.5 for m, r in base.items()}
     timeout_s = 10.0  # the default header_timeout_s
+    _raise_open_files(args.slowloris + 1024)  # the server (our child) inherits it too
     with serving(config("dstack", "slowloris"), OUT / "slowloris.log") as srv:
-        run(cl.open_loop(srv.host, rates, slos, 2.0))
-        quiet = cl.total(run(cl.open_loop(srv.host, rates, slos, 8, seed=4)))
+        run(cl.open_loop(srv.host, rates, slos, 2.0, fresh_connections=True))
+        quiet = cl.total(run(cl.open_loop(srv.host, rates, slos, 8, seed=4,
+                                          fresh_connections=True)))
         port = int(srv.host.rsplit(":", 1)[1])
+        hold_s = timeout_s + 2
 
-        async def attack() -> tuple[int, float, list[bytes]]:
-            t_open = time.monotonic()
-            socks = await cl.half_headers("127.0.0.1", port, args.slowloris)
-            return await cl.closed_within(socks, t_open, timeout_s + 3)
+        async def go() -> tuple[dict[str, cl.Tally], cl.SlowlorisResult, int]:
+            # the load first: it reads the models' metadata before the attack starts
+            load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, hold_s, seed=5,
+                                                    fresh_connections=True))
+            await asyncio.sleep(0.5)
+            attack = asyncio.create_task(
+                cl.slowloris("127.0.0.1", port, args.slowloris, hold_s, timeout_s + 3))
+            await asyncio.sleep(hold_s / 2)
+            held = _sockets(srv.pid)
+            return await load, await attack, held
 
-        res, (closed, last_s, _) = with_side_load(srv, rates, slos, timeout_s + 2, attack)
+        res, sl, held = run(go())
         t = cl.total(res)
         return row(f"slowloris {args.slowloris} half headers", t, srv.pid,
-                   closed_by_server=closed, last_closed_s=last_s,
+                   normal_503=t.refused.get("unavailable", 0),
                    other_p99_ms=cl.pct(t.latencies_ms, 99),
-                   unloaded_p99_ms=cl.pct(quiet.latencies_ms, 99))
+                   unloaded_p99_ms=cl.pct(quiet.latencies_ms, 99),
+                   p99_ratio=cl.pct(t.latencies_ms, 99) / cl.pct(quiet.latencies_ms, 99),
+                   server_sockets_mid_attack=held, stalled_opened=sl.opened,
+                   stalled_connect_failed=sl.connect_failed, stalled_closed=dict(sl.closed),
+                   stalled_longest_life_s={k: round(max(v), 2)
+                                           for k, v in sl.lifetime_s.items()},
+                   stalled_still_open=sl.still_open,
+                   server_open_files_limit=_open_files_limit(srv.pid))
+
+
+def _raise_open_files(want: int) -> None:
+    """This process's soft limit on open files to `want` (up to the hard limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY
+                                                    else min(want, hard), hard))
+
+
+def _open_files_limit(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            line = next(x for x in f if x.startswith("Max open files"))
+        return "/".join(line.split()[3:5])  # soft/hard
+    except (OSError, StopIteration):
+        return "?"
+
+
+def _sockets(pid: int) -> int:
+    """Open sockets of a process (-1 if it cannot be read)."""
+    n = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+            except OSError:
+                pass  # closed while listed
+    except OSError:
+        return -1
+    return n
 
 
 def stalled(args: argparse.Namespace) -> Row:
@@ -495,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-seconds", type=float, default=12.0)
     p.add_argument("--big-bodies", type=int, default=20)
     p.add_argument("--big-body-mb", type=float, default=20.0)
-    p.add_argument("--slowloris", type=int, default=500)
+    p.add_argument("--slowloris", type=int, default=1000)
     p.add_argument("--stalled", type=int, default=50)
     p.add_argument("--fuzz", type=int, default=100_000)
     args = p.parse_args(argv)

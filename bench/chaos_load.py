@@ -116,10 +116,12 @@ def cpu_s(pid: int) -> float:
 
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                     duration_s: float, *, seed: int = 1, hang_s: float = 10.0,
-                    max_inflight: int = 1024, stop: asyncio.Event | None = None
-                    ) -> dict[str, Tally]:
+                    max_inflight: int = 1024, stop: asyncio.Event | None = None,
+                    fresh_connections: bool = False) -> dict[str, Tally]:
     """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (or until
-    `stop` is set); each request one item, binary. Latency from send to full answer."""
+    `stop` is set); each request one item, binary. Latency from send to full answer.
+    `fresh_connections`: each request on a new connection, closed after it (as from many
+    clients), instead of kept-alive ones reused."""
     import aiohttp
 
     rng = np.random.default_rng(seed)
@@ -127,7 +129,7 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
     bodies = {m: one_item_body(metas[m]) for m in rates}
     out = {m: Tally() for m in rates}
     sem = asyncio.Semaphore(max_inflight)
-    conn = aiohttp.TCPConnector(limit=max_inflight)
+    conn = aiohttp.TCPConnector(limit=max_inflight, force_close=fresh_connections)
     timeout = aiohttp.ClientTimeout(total=hang_s)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
 
@@ -181,39 +183,69 @@ def total(tallies: dict[str, Tally]) -> Tally:
 # ------------------------------------------------------------------ hostile sockets
 
 
-async def half_headers(host: str, port: int, n: int) -> list[tuple[asyncio.StreamReader,
-                                                                    asyncio.StreamWriter]]:
-    """`n` connections that each send half a request header and stop (slowloris)."""
-    socks = []
-    for _ in range(n):
-        r, w = await asyncio.open_connection(host, port)
-        w.write(b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        await w.drain()
-        socks.append((r, w))
-    return socks
+@dataclass
+class SlowlorisResult:
+    opened: int = 0  # sockets connected (and half a header sent), refills included
+    connect_failed: int = 0
+    closed: Counter = field(default_factory=Counter)  # how the server closed them -> count
+    lifetime_s: dict[str, list[float]] = field(default_factory=dict)  # the same -> open..close
+    still_open: int = 0  # not closed by the server within `wait_s` after the attack
 
 
-async def closed_within(socks: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
-                        t_open: float, limit_s: float) -> tuple[int, float, list[bytes]]:
-    """How many of `socks` the server closed within `limit_s` of `t_open`, the time the
-    last one closed (s after `t_open`), and what the server sent on them (a few)."""
-    closed_at: list[float] = []
-    said: list[bytes] = []
+HALF_HEADER = b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nX-Slow: "
 
-    async def watch(r: asyncio.StreamReader) -> None:
-        try:
-            data = await asyncio.wait_for(r.read(), timeout=max(0.1, t_open + limit_s
-                                                               - time.monotonic()))
-            closed_at.append(time.monotonic() - t_open)
-            if data and len(said) < 3:
-                said.append(data[:200])
-        except (TimeoutError, ConnectionError):
-            pass
 
-    await asyncio.gather(*(watch(r) for r, _ in socks))
-    for _, w in socks:
-        w.close()
-    return len(closed_at), max(closed_at, default=float("nan")), said
+def _close_kind(data: bytes) -> str:
+    """How the server closed a half-header socket: "bare close" (the header timeout),
+    "503 make room" (evicted at the connection cap), "503 refused" (over the cap when it
+    connected), or the status line."""
+    if not data:
+        return "bare close"
+    status, _, body = parse_status(data)
+    if status == 503:
+        return "503 make room" if b"make room" in body else "503 refused"
+    return str(status or data[:40])
+
+
+async def slowloris(host: str, port: int, n: int, hold_s: float, wait_s: float,
+                    refill_s: float = 0.1) -> SlowlorisResult:
+    """`n` connections that each send half a request header and stop, kept at `n` for
+    `hold_s`: a socket the server closes (refused, evicted, timed out) is opened again
+    `refill_s` later. Then no more are opened, and each still open is watched for up to
+    `wait_s`. Each socket's life is from just before its connect to its close by the
+    server."""
+    out = SlowlorisResult()
+    t_stop = time.monotonic() + hold_s
+
+    async def slot() -> None:
+        while (t_open := time.monotonic()) < t_stop:
+            try:
+                r, w = await asyncio.open_connection(host, port)
+                w.write(HALF_HEADER)
+                await w.drain()
+            except OSError:
+                out.connect_failed += 1
+                await asyncio.sleep(refill_s)
+                continue
+            out.opened += 1
+            try:
+                data = await asyncio.wait_for(r.read(), max(t_stop, t_open) + wait_s
+                                              - time.monotonic())
+                kind = _close_kind(data)
+            except TimeoutError:
+                out.still_open += 1
+                w.close()
+                return
+            except ConnectionError:
+                kind = "reset"
+            finally:
+                w.close()
+            out.closed[kind] += 1
+            out.lifetime_s.setdefault(kind, []).append(time.monotonic() - t_open)
+            await asyncio.sleep(refill_s)
+
+    await asyncio.gather(*(slot() for _ in range(n)))
+    return out
 
 
 async def stalled_uploads(host: str, port: int, n: int, declared: int, sent: int,
