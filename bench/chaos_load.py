@@ -180,6 +180,100 @@ def total(tallies: dict[str, Tally]) -> Tally:
     return t
 
 
+# ------------------------------------------------------------------ big bodies from a child
+
+
+def big_json(mb: float) -> bytes:
+    """A valid mobilenet request (batch 8) of about `mb` MB: its floats written with as
+    many digits as make it that big, so that all of it is numbers to parse."""
+    n = 8 * 3 * 224 * 224
+    digits = max(1, int(mb * 1e6 / n) - 3)
+    x = np.random.default_rng(0).random(n)
+    flat = np.char.mod(f"%.{digits}f", x)
+    head = '{"inputs":[{"name":"input","datatype":"FP32","shape":[8,3,224,224],"data":['
+    return (head + ",".join(flat.tolist()) + "]}]}").encode()
+
+
+@dataclass(frozen=True, slots=True)
+class BigBodiesResult:
+    statuses: dict[str, int]  # "200", "429", "503", or the client error's name -> count
+    seconds_by_status: dict[str, tuple[float, float]]  # status -> (fastest, slowest) answer
+    cpu_s: float  # CPU the sending process used while sending
+
+
+class BigBodySender:
+    """Sends `n` concurrent POSTs of a `big_json(mb)` body to `url` from a separate
+    (spawned) process, so that the process measuring other traffic does nothing else: its
+    latencies then hold no delay of its own from sending hundreds of MB. The body is built
+    when the child starts (`start`, before the measured windows), the POSTs when `send`
+    is awaited."""
+
+    def __init__(self, url: str, n: int, mb: float, hang_s: float = 120.0) -> None:
+        self.url, self.n, self.mb, self.hang_s = url, n, mb, hang_s
+        self.body_bytes = 0
+        self._proc: Any = None
+        self._conn: Any = None
+
+    def __enter__(self) -> BigBodySender:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_big_body_child,
+                                 args=(self.url, self.n, self.mb, self.hang_s, child),
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(120):
+            raise RuntimeError("big-body sender did not build its body in 120 s")
+        self.body_bytes = self._conn.recv()
+        return self
+
+    async def send(self) -> BigBodiesResult:
+        self._conn.send("go")
+        return await asyncio.to_thread(self._conn.recv)  # type: ignore[no-any-return]
+
+    def __exit__(self, *_: object) -> None:
+        self._conn.close()
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+def _big_body_child(url: str, n: int, mb: float, hang_s: float, conn: Any) -> None:
+    body = big_json(mb)
+    conn.send(len(body))
+    if conn.recv() != "go":
+        return
+    cpu0 = time.process_time()
+    answers = asyncio.run(_post_all(url, body, n, hang_s))
+    by: dict[str, list[float]] = {}
+    for status, s in answers:
+        by.setdefault(status, []).append(s)
+    conn.send(BigBodiesResult({k: len(v) for k, v in sorted(by.items())},
+                              {k: (min(v), max(v)) for k, v in sorted(by.items())},
+                              time.process_time() - cpu0))
+
+
+async def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, float]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=hang_s)) as http:
+        async def one() -> tuple[str, float]:
+            t0 = time.perf_counter()
+            try:
+                async with http.post(url, data=body,
+                                     headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    status = str(r.status)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                status = type(e).__name__
+            return status, time.perf_counter() - t0
+
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
 # ------------------------------------------------------------------ hostile sockets
 
 
