@@ -109,7 +109,8 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
             total += len(chunk)
             if total > max_body_bytes:
                 raise PayloadTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
-            chunks.append(chunk)
+            if chunk:  # Starlette's stream ends with b"": [body, b""] would be joined (copied)
+                chunks.append(chunk)
     except ClientDisconnect:
         # Nobody is left to answer; a 400 keeps it out of the unhandled-error log.
         raise RequestError(f"client disconnected after {total} bytes of the body") from None
@@ -188,8 +189,8 @@ def create_app(
     check_batch: Callable[[str, int], None] | None = getattr(backend, "check_batch", None)
 
     async def decode_data(head: codec.RequestHead) -> codec.InferRequest:
-        """The request's JSON values, parsed on the loop a piece at a time (about 1 ms
-        each), letting other requests run between pieces (docs/reliability.md)."""
+        """The request's JSON values, parsed on the loop a piece at a time (0.2 to
+        1.4 ms each), letting other requests run between pieces (docs/reliability.md)."""
         steps = codec.decode_data(head)
         while True:
             try:

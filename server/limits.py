@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.memory import release_freed_memory
+from server.memory import BodyBuffer, release_freed_memory
 
 DRAIN_FACTOR = 4
 #: A body at least this big, once freed, has the allocator give free pages back to the OS.
@@ -117,8 +117,10 @@ class BodyLimits:
             await self._over_budget(scope, receive, send)
             return
         taken = declared
+        big = declared >= TRIM_AFTER_BYTES
+        self.trims.big_in_flight += big
         try:
-            chunks: list[bytes] = []
+            pieces = BodyBuffer(declared)  # one `bytes` of the declared size, filled in place
             total = 0
             while True:
                 msg = await receive()
@@ -138,15 +140,15 @@ class BodyLimits:
                         await self._over_budget(scope, receive, send, drain=more)
                         return
                     taken = total
-                if chunk:
-                    chunks.append(chunk)
+                pieces.write(chunk)
                 if not more:
                     break
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            del chunks
+            body = pieces.result()
+            del pieces
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.budget.give(taken)
+            self.trims.big_in_flight -= big
             if taken >= TRIM_AFTER_BYTES:
                 self.trims.request()
 
@@ -169,15 +171,23 @@ class BodyLimits:
 class _Trims:
     """Runs `release` (server.memory) in a thread after big bodies are freed: on the loop's
     next turn (when the request's frames, and so its body, are gone), one at a time; a
-    request while one runs makes it run once more after."""
+    request while one runs makes it run once more after.
+
+    While other big bodies are still in flight the release waits for the last of them:
+    their pages would be given back only to be asked for again (the OS zeroes each one it
+    gives, on the event loop's thread), and glibc's trim holds the allocator's lock while
+    it runs. What is held meanwhile is bounded by the body budget."""
 
     def __init__(self, release: Callable[[], object]) -> None:
         self.release = release
         self.running = False
         self.again = False
+        self.big_in_flight = 0  # bodies of TRIM_AFTER_BYTES or more being read or answered
         self.done = 0  # how many have run (tests)
 
     def request(self) -> None:
+        if self.big_in_flight > 0:
+            return  # the last of them asks again when it is done
         if self.running:
             self.again = True
             return

@@ -1,4 +1,5 @@
-"""Giving the memory of big request bodies back to the OS once they are freed.
+"""Memory of big request bodies: received into one buffer of their final size
+(`BodyBuffer`), and given back to the OS once they are freed (`release_freed_memory`).
 
 A body arrives as many chunks of up to 64 KiB. glibc serves those from its heap (below its
 mmap threshold), and a heap page freed in the middle goes back to the OS only when
@@ -11,6 +12,7 @@ untouched, and the next allocation gets fresh pages from the OS as usual.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable
 
 
@@ -35,3 +37,77 @@ def release_freed_memory() -> bool:
         return False
     _TRIM(0)
     return True
+
+
+def _bytes_api() -> tuple[Callable[..., bytes], Callable[[bytes], int]] | None:
+    if sys.implementation.name != "cpython":
+        return None
+    new = ctypes.pythonapi.PyBytes_FromStringAndSize
+    new.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+    new.restype = ctypes.py_object
+    data = ctypes.pythonapi.PyBytes_AsString
+    data.argtypes = [ctypes.py_object]
+    data.restype = ctypes.c_void_p
+    return new, data
+
+
+_BYTES = _bytes_api()
+
+
+class BodyBuffer:
+    """A request body received piece by piece, given whole by `result()` as one `bytes`.
+
+    With an expected `size` (the Content-Length), a body that comes in more than one
+    piece is copied, piece by piece, into one `bytes` of that size, the one handed to the
+    app: no list of pieces joined at the end. That join was a copy of the whole body in
+    one step of the event loop (27 ms for 19 MB, 30 ms for 60 MB, most of it the OS
+    giving the new pages) and twice the body in memory at its end. The `bytes` is made
+    uninitialised (`PyBytes_FromStringAndSize(NULL, size)`, what C code does to build
+    one), so the OS gives its pages a few at a time, as the pieces are copied in; nobody
+    else sees the object until `result()`, so it is immutable to everyone.
+
+    A body of one piece is that piece (no copy). Without a size (chunked), beyond it, or
+    elsewhere than CPython, the pieces are kept and joined at the end, as before."""
+
+    def __init__(self, size: int = 0) -> None:
+        self.size = size
+        self.filled = 0  # bytes written
+        self._pieces: list[bytes] = []
+        self._body: bytes | None = None  # the preallocated body, while being filled
+        self._addr = 0
+
+    def write(self, piece: bytes) -> None:
+        n = len(piece)
+        if not n:
+            return
+        if self._body is None and len(self._pieces) == 1 and self.filled + n <= self.size \
+                and _BYTES is not None:
+            self._body = _BYTES[0](None, self.size)
+            self._addr = _BYTES[1](self._body)
+            self._copy(self._pieces.pop(), 0)
+        if self._body is not None:
+            if self.filled + n <= self.size:
+                self._copy(piece, self.filled)
+                self.filled += n
+                return
+            self._pieces = [self._written()]  # more than announced: keep pieces from here
+            self._body = None
+        self._pieces.append(piece)
+        self.filled += n
+
+    def result(self) -> bytes:
+        """All bytes written, in order; the buffer is empty after."""
+        if self._body is not None:
+            body = self._body if self.filled == self.size else self._written()
+        elif len(self._pieces) == 1:
+            body = self._pieces[0]
+        else:
+            body = b"".join(self._pieces)
+        self._body, self._pieces, self.filled = None, [], 0
+        return body
+
+    def _copy(self, piece: bytes, at: int) -> None:
+        ctypes.memmove(self._addr + at, piece, len(piece))
+
+    def _written(self) -> bytes:
+        return ctypes.string_at(self._addr, self.filled)
