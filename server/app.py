@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -307,13 +308,14 @@ def create_app(
             raise
 
     async def _infer(request: Request, model: str, spec: ModelSpec) -> Response:
+        received = time.monotonic()  # the deadline counts from here, body read included
         check_admission(model)  # before the body is read
         body = await read_body(request, max_body_bytes)
         head = codec.parse_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
         if check_batch is not None:  # refused by its batch size before its numbers are parsed
             check_batch(model, head.batch_size)
         req = await decode_data(head)
-        outputs = await backend.infer(model, req.inputs)
+        outputs = await backend.infer(model, req.inputs, time.monotonic() - received)
         payload, hlen = codec.encode_response(model, req, outputs, spec)
         if hlen is None:
             return Response(payload, media_type="application/json")

@@ -142,11 +142,12 @@ class ClusterBackend:
         ing = self.cfg.ingress
         return self.slo_s[model] * ing.call_timeout_slo_factor + ing.call_timeout_grace_ms / 1000
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         self.spec(model)
         now = self.clock()
         self.tracker.record(model, now)
-        deadline = now + self.call_timeout_s(model)
+        deadline = now - since_received_s + self.call_timeout_s(model)
         retry_left_s = self.slo_s[model] * self.cfg.ingress.retry_min_slo_fraction
         tried: list[str] = []
         attempts = 0

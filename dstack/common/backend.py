@@ -47,10 +47,13 @@ class InferenceBackend(Protocol):
 
     def is_model_ready(self, model: str) -> bool: ...
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         """Run one request of n items (every input has leading dimension n, already
         checked against the spec). Returns every output with leading dimension n.
-        Raises a DStackError subclass on every failure path; never hangs."""
+        `since_received_s`: how long ago the server received the request (its SLO
+        counts from then). Raises a DStackError subclass on every failure path; never
+        hangs."""
         ...
 
     def stats(self, model: str) -> ModelStats: ...

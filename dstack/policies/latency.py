@@ -15,8 +15,14 @@ TRUST_AFTER = 3  # observed batches before an estimate may refuse requests
 LOW_RISE = 0.005  # how far the fast-end line rises toward a slower batch, per batch
 SLOW_Q = 0.9  # `slow` is this quantile of (observed / estimated) batch time ...
 SLOW_STEP = 0.05  # ... tracked by steps of this size (up SLOW_Q, down 1 - SLOW_Q of it)
-P_START = 1.0  # the fit's covariance at the start (`_fit`; units of the noise)
-P_CAP = 0.25  # ... and the most it may grow to in a direction batches do not measure
+# The fit's covariance (`_fit`) is in units of the batches' own noise: P_START says a seed
+# is known to within about 10x that (a profile or a warm-up on another load), so the first
+# batches move the line through them; P_CAP bounds what it grows back to in a direction
+# recent batches do not measure (chosen on logged batches of mobilenet_v3_small and
+# resnet18 under overload: 0.25 and 1 left batches of 1 at 1.14-1.33x the line and of 3
+# at 0.71-0.82x it, 4 and 16 both within 0.93-1.02x).
+P_START = 100.0
+P_CAP = 4.0
 N_SCALE = 8.0  # batch sizes are fitted as n / N_SCALE
 
 
@@ -118,8 +124,12 @@ class LinearLatency:
         denom: cython.double = lam + px_k + px_t * z
         g_k: cython.double = px_k / denom
         g_t: cython.double = px_t / denom
-        self.k_s = max(1e-6, self.k_s + g_k * err)
+        # The per-item cost is never negative, a batch of 1 never free; the fixed cost
+        # may be (a CPU model whose batch of 1 runs relatively well: resnet18 on one core
+        # takes 28 ms for 1 and 35 ms more per item), where clamping it at 0 left the
+        # fit pushing against the clamp, 1% of the way a batch.
         self.t_s = max(0.0, self.t_s + g_t * err / N_SCALE)
+        self.k_s = max(1e-6 - self.t_s, self.k_s + g_k * err)
         self.p_kk = (self.p_kk - g_k * px_k) / lam
         self.p_kt = (self.p_kt - g_k * px_t) / lam
         self.p_tt = (self.p_tt - g_t * px_t) / lam

@@ -46,7 +46,13 @@ the mean: that batch runs now, and its likeliest length decides which heads it w
 answer late. Every batch end the core predicts adds the model's `overhead_s`: the mean of
 what recent batches took from launch to `complete` beyond the compute their worker timed
 (the hand-over there and back; 1.5-4.5 ms a batch on a busy 2-core machine, against 10-30
-ms batches; 0 in the simulator).
+ms batches; 0 in the simulator). The end of a request's own batch also adds `delivery_s`,
+what its answer then takes to reach the server's sender (`observe_delivery`), and its
+batch is counted as it will be when it launches: the requests that arrive before then
+join it, up to the cap (a rate of admitted items per model; under overload every batch is
+full, and a request admitted on its batch as it was at arrival was refused at launch, or
+answered late, whenever its batch filled up). A request's deadline counts from when the
+server received it (`admit`'s `since_s`), not from when its body had been read.
 
 `refuse_early(model, n, now)` asks the admission rules without queuing (the server asks it
 before reading a request's body, with n = 1: a refusal then costs no body).
@@ -79,6 +85,10 @@ from dstack.policies.latency import LinearLatency
 PROBE_S = 1.0
 #: Weight of a new batch in the mean of `overhead_s` (launch to completion minus compute).
 OVERHEAD_ALPHA = cython.declare(cython.double, 0.1)
+#: `delivery_s` is this quantile of the delay from a batch's end to its answers' sender,
+#: tracked by steps of DELIVERY_STEP_S (up DELIVERY_Q of it, down the rest).
+DELIVERY_Q = cython.declare(cython.double, 0.9)
+DELIVERY_STEP_S = cython.declare(cython.double, 0.0002)
 #: Time constant (s) of a model's admitted-items rate, which admission reads to size the
 #: batch a request will join (later arrivals fill it up to the cap before it launches).
 RATE_TAU_S = cython.declare(cython.double, 1.0)
@@ -227,6 +237,10 @@ class _Model:
     # hand-over to the worker and back, from launch to `complete`. A mean of recent
     # batches; added to every batch whose end the core predicts (0 in the simulator).
     overhead_s: cython.double
+    # What an answer takes from its batch's end to its sender (the server's event loop
+    # resuming the request, `observe_delivery`): a running 90th percentile, added to the
+    # end of a request's own batch wherever the core predicts one (0 in the simulator).
+    delivery_s: cython.double
     # Items admitted per second, decayed with RATE_TAU_S, as of `rate_at`: how fast later
     # requests join a batch that has not launched yet (refused ones never count, so a
     # storm of refusals and retries cannot inflate it).
@@ -259,6 +273,7 @@ class _Model:
         self.unserved = None
         self.dirty = True
         self.overhead_s = 0.0
+        self.delivery_s = 0.0
         self.rate = 0.0
         self.rate_at = 0.0
         self.learned()
@@ -268,7 +283,8 @@ class _Model:
         """The estimate changed (or was set)."""
         est = self.estimate
         self.trusted = est is not None and est.trusted
-        self.one_s = est.refusal_s(1) + self.overhead_s if self.trusted else 0.0
+        self.one_s = (est.refusal_s(1) + self.overhead_s + self.delivery_s if self.trusted
+                      else 0.0)
 
     @cython.cfunc
     def rate_now(self, now: cython.double) -> cython.double:
@@ -422,10 +438,12 @@ class _Core:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, model: str, n: int, now: float,
-              payload: object = None) -> Ticket | Refusal:
+    def admit(self, model: str, n: int, now: float, payload: object = None,
+              since_s: float = 0.0) -> Ticket | Refusal:
         """Queue a request of `n` items for `model` (a served model with replicas: to one
-        of them, see the module docstring), or refuse it."""
+        of them, see the module docstring), or refuse it. `since_s`: how long ago the
+        request arrived (the server received its header then read its body): its
+        deadline counts from then."""
         i: cython.Py_ssize_t
         group = self.groups.get(model) if self.groups else None
         i = self.index[model] if group is None else self._route(group)
@@ -436,8 +454,8 @@ class _Core:
         t: Ticket = Ticket.__new__(Ticket)
         t.model = i
         t.n = k
-        t.arrival = now
-        t.deadline = now + st.slo_s
+        t.arrival = now - since_s if since_s > 0 else now
+        t.deadline = t.arrival + st.slo_s
         t.payload = payload
         r = self._check(st, t, model, now)
         if r is not None:
@@ -516,7 +534,7 @@ class _Core:
                 if own > cap:
                     own = cap
                 own_s = est.high_s(own) if ahead > 0 else est.refusal_s(own)
-            own_s += st.overhead_s
+            own_s += st.overhead_s + st.delivery_s
             finish: cython.double = launch + own_s
             if finish > t.deadline:
                 st.est_refused = True
@@ -524,7 +542,7 @@ class _Core:
                     st, t, RefusalReason.WORK_AHEAD,
                     f"model {model}: {ahead} items are queued ahead; at about "
                     f"{per_batch * 1000:.1f} ms per batch of {cap} this request would "
-                    f"finish {1000 * (finish - now):.1f} ms after arrival, over its SLO of "
+                    f"finish {1000 * (finish - t.arrival):.1f} ms after arrival, over its SLO of "
                     f"{st.spec.slo_s * 1000:g} ms")
         return None
 
@@ -671,7 +689,8 @@ class _Core:
             run_s: cython.double
             while k < len(tickets):
                 t = tickets[k]
-                run_s = est.estimate_s(taken) + st.overhead_s  # it runs now: its likeliest length
+                # it runs now: its likeliest length, then its answers' way out
+                run_s = est.estimate_s(taken) + st.overhead_s + st.delivery_s
                 if not t.deadline < now + run_s:
                     break
                 taken -= t.n
@@ -729,6 +748,17 @@ class _Core:
     def notify_policy(self, batch: Batch, compute_s: float, now: float) -> None:
         """`policy.on_batch_done` for a completed batch (may raise: the policy's bug)."""
         self.policy.on_batch_done(batch.model, batch.n, compute_s, now)
+
+    def observe_delivery(self, model: int, seconds: float) -> None:
+        """An answer of the model at position `model` (a ticket's) reached its sender
+        `seconds` after its batch ended (see `delivery_s`)."""
+        st: _Model = self._m[model]
+        step: cython.double = DELIVERY_STEP_S
+        if seconds > st.delivery_s:
+            st.delivery_s += step * DELIVERY_Q
+        else:
+            st.delivery_s = max(0.0, st.delivery_s - step * (1 - DELIVERY_Q))
+        st.learned()
 
     def fail(self, batch: Batch, now: float) -> tuple[Ticket, ...]:
         """The batch failed (worker error or death): its tickets, to be failed."""

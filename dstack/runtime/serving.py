@@ -81,6 +81,7 @@ class Request:
 
     inputs: dict[str, np.ndarray]
     future: asyncio.Future[dict[str, np.ndarray]]
+    answered_at: float = 0.0  # when its batch ended (the runtime's clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,7 +490,8 @@ class Runtime:
         return (isinstance(sup, Supervisor) and not any(sup.is_ready(w) for w in workers)
                 and any(sup.restart_info(w).died_at is not None for w in workers))
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         self.check_admission(model)
         core = self.core
         assert core is not None
@@ -498,7 +500,8 @@ class Runtime:
         if self.replanner is not None:
             self.replanner.record(model, now)  # demand: counted before admission
         fut: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
-        got = core.admit(model, n, now, Request(inputs, fut))
+        req = Request(inputs, fut)
+        got = core.admit(model, n, now, req, since_received_s)
         if not isinstance(got, Ticket):
             raise refusal_error(got.reason, got.message)
         if self._restarting(model):  # it waits for the worker to be back
@@ -508,7 +511,9 @@ class Runtime:
             stager.add(got)  # its rows go into the next batch's half now
         if not core.running(core.names[got.model]):  # its replica, where it has several
             self._wake.set()
-        return await fut
+        out = await fut
+        core.observe_delivery(got.model, self._clock() - req.answered_at)
+        return out
 
     # ------------------------------------------------------------------ dispatcher
 
@@ -640,9 +645,10 @@ class Runtime:
         for t in tickets:
             res = {k: v[i:i + t.n] for k, v in results.items()}
             i += t.n
-            fut_t = _req(t).future
-            if not fut_t.done():
-                fut_t.set_result(res)
+            req = _req(t)
+            if not req.future.done():
+                req.answered_at = end
+                req.future.set_result(res)
         if half is None:
             self._notify(b, done.compute_s, end)
         self._wake.set()

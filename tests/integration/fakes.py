@@ -66,7 +66,8 @@ class FakeBackend:
     def is_model_ready(self, model: str) -> bool:
         return self.ready[model]
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         self.calls[model].append(next(iter(inputs.values())).shape[0])
         if model == "double":
             x = inputs["x"]

@@ -42,7 +42,8 @@ class RefusingBackend(FakeBackend):
     def current_batch_cap(self, model: str) -> int:
         return 4
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         if self.refuse:
             self.expired += 1
             raise DeadlineRefused("too late")

@@ -28,7 +28,8 @@ class GaugedBackend(FakeBackend):
     def current_slice(self, model: str) -> SliceSpec | None:
         return SliceSpec(50.0, (1,))
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         if self.refuse:
             raise DeadlineRefused("too late")
         return await super().infer(model, inputs)

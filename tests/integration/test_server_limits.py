@@ -77,7 +77,8 @@ class _Wide(FakeBackend):
     def spec(self, model: str) -> ModelSpec:
         return self.WIDE if model == "wide" else super().spec(model)
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         if model == "wide":
             return {"y": inputs["x"] * 2}
         return await super().infer(model, inputs)

@@ -212,8 +212,8 @@ def record_decisions(monkeypatch: pytest.MonkeyPatch, log: list[Entry]) -> None:
                     r.ticket.arrival))
 
     def rec_admit(self: DispatchCore, model: str, n: int, now: float,
-                  payload: object = None) -> Ticket | Refusal:
-        got = admit(self, model, n, now, payload)
+                  payload: object = None, since_s: float = 0.0) -> Ticket | Refusal:
+        got = admit(self, model, n, now, payload, since_s)
         if isinstance(got, Refusal):
             refused(self, now, got)
         return got

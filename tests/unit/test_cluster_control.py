@@ -48,7 +48,8 @@ class FakeRuntime:
     def is_ready(self) -> bool:
         return self.ready
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         assert not self.stopped, "a request reached a stopped runtime"
         self.pending[model] += 1
         try:

@@ -375,3 +375,23 @@ def test_admission_counts_the_requests_that_will_join_its_batch_before_it_launch
     assert "finish 110.0 ms after arrival" in r.message
     quiet, now = core_at(2.0)
     assert isinstance(quiet.admit(A, 1, now), Ticket)  # alone, it ends at 80 ms
+
+
+def test_the_slo_counts_from_receipt_to_the_answer_reaching_the_sender() -> None:
+    """A batch takes 60 ms; SLO 100 ms. A request whose body took 30 ms to arrive has 70
+    ms left: it is admitted (60 ms), and one that took 50 ms is refused at once. Once
+    answers are seen to reach their sender 30 ms after their batch (a busy event loop),
+    a request with 70 ms left is refused too, and so is the queued one at launch, rather
+    than answered after its SLO by the client's clock."""
+    core = core_for(estimates={A: trusted(0.06)})
+    t = core.admit(A, 1, 0.5, since_s=0.03)
+    assert isinstance(t, Ticket) and t.deadline == pytest.approx(0.57)
+    core2 = core_for(estimates={A: trusted(0.06)})
+    r = core2.admit(A, 1, 0.5, since_s=0.05)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    for _ in range(400):
+        core.observe_delivery(t.model, 0.03)
+    r = core.admit(A, 1, 0.5, since_s=0.03)
+    assert isinstance(r, Refusal) and "finish 120.0 ms" in r.message  # 30 + 60 + 30
+    s = core.step(0.5)
+    assert [x.ticket for x in s.refusals] == [t] and s.launches == ()
