@@ -23,6 +23,7 @@ SLOW_STEP = 0.05  # ... tracked by steps of this size (up SLOW_Q, down 1 - SLOW_
 # at 0.71-0.82x it, 4 and 16 both within 0.93-1.02x).
 P_START = 100.0
 P_CAP = 4.0
+P_RESTART = 2.0  # after two far-off batches running: a step of about 0.7 of the error
 N_SCALE = 8.0  # batch sizes are fitted as n / N_SCALE
 
 
@@ -37,11 +38,13 @@ class LinearLatency:
     seed that came out too slow (say, warm-up on a busy machine) would refuse every
     request, so no batch would ever run to correct it.
 
-    Two lines are kept. `estimate_s` follows the mean (what a batch takes now: batch
-    windows and policies plan with it). `refusal_s` follows the fast end: it drops at
-    once to a faster batch and rises only slowly (`LOW_RISE` per batch), and is never above
-    the mean. Refusals use it, so a request is refused only when even the speed the model
-    reached recently cannot answer it in time. Without it, contention feeds on itself: a
+    `estimate_s` follows the mean (what a batch takes now: batch windows and policies
+    plan with it), a line fitted by recursive least squares with forgetting (`_fit`).
+    `refusal_s` follows the fast end: the mean line's shape at a level `lo_s` (a
+    batch of 1) that drops at once to a faster batch and rises only slowly
+    (`LOW_RISE` per batch); it is never above the mean. Refusals use it, so a request
+    is refused only when even the speed the model reached recently cannot answer it in
+    time. Without it, contention feeds on itself: a
     slower batch (the machine shared with the very clients being refused, who retry at
     once) raises the estimate, which refuses more, which brings more retries.
 
@@ -115,8 +118,10 @@ class LinearLatency:
         proportions (a line seeded through the origin stayed there, and overestimated
         big batches by half while it matched batches of 1). Worked in (1, n / N_SCALE),
         where both costs are of one size, so that the covariance can be bounded alike."""
-        if restart or self.p_kk < 0:  # as unsure as at the start: move most of the way
+        if self.p_kk < 0:  # the seed is a guess: the first batch moves the line to it
             self.p_kk, self.p_kt, self.p_tt = P_START, 0.0, P_START
+        elif restart:  # far off twice running: believed, most of the way (about 0.7)
+            self.p_kk, self.p_kt, self.p_tt = P_RESTART, 0.0, P_RESTART
         z: cython.double = max(n, 1) / N_SCALE
         lam: cython.double = 1.0 - self.alpha
         px_k: cython.double = self.p_kk + self.p_kt * z  # P x
@@ -140,7 +145,7 @@ class LinearLatency:
         half: cython.double = 0.5 * (self.p_kk + self.p_tt)
         disc: cython.double = math.sqrt(0.25 * (self.p_kk - self.p_tt) ** 2 + self.p_kt ** 2)
         top: cython.double = half + disc
-        if top > P_CAP and not restart:
+        if top > P_CAP:
             v_k: cython.double = self.p_kt
             v_t: cython.double = top - self.p_kk
             if abs(v_k) + abs(v_t) < 1e-300:  # diagonal, p_kk the larger
@@ -183,8 +188,14 @@ class LinearLatency:
             self.far_streak = far
         restart: cython.bint = far != 0 and abs(self.far_streak) >= 2
         if far != 0 and not restart and self.observations > TRUST_AFTER:
-            err = pred if far > 0 else -0.5 * pred
-        self._fit(n, err, restart)
+            # A lone outlier scales the whole line by `alpha` of a 2x (or 0.5x) batch and
+            # leaves the fit alone: at a batch size recent batches do not measure, a fit
+            # step would move the line most of the way to it.
+            scale: cython.double = 1.0 + self.alpha * (1.0 if far > 0 else -0.5)
+            self.k_s *= scale
+            self.t_s *= scale
+        else:
+            self._fit(n, err, restart)
         self._observe_low(n, seconds)
 
     @cython.ccall

@@ -511,17 +511,15 @@ class _Core:
                 own = cap
             start: cython.double = now
             per_batch: cython.double
-            own_s: cython.double
-            if ahead > 0:  # it waits behind others: all of it at the slow end
+            slow_end: cython.bint = ahead > 0  # it waits behind others: all of it there
+            if slow_end:
                 if st.running and st.run_high_until > now:
                     start = st.run_high_until
                 per_batch = est.high_s(cap)
-                own_s = est.high_s(own)
             else:
                 if st.running and st.run_until > now:
                     start = st.run_until
                 per_batch = est.refusal_s(cap)
-                own_s = est.refusal_s(own)
             per_batch += st.overhead_s
             # Its batch launches after the running one and the full batches ahead; what
             # arrives meanwhile joins it, up to the cap (under load every batch is full):
@@ -533,7 +531,7 @@ class _Core:
                 own = own + cython.cast(cython.longlong, joining + 0.5)  # the likeliest count
                 if own > cap:
                     own = cap
-                own_s = est.high_s(own) if ahead > 0 else est.refusal_s(own)
+            own_s: cython.double = est.high_s(own) if slow_end else est.refusal_s(own)
             own_s += st.overhead_s + st.delivery_s
             finish: cython.double = launch + own_s
             if finish > t.deadline:

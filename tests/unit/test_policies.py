@@ -166,3 +166,19 @@ def test_the_latency_estimate_learns_the_fixed_and_the_per_item_cost_apart() -> 
     for n in (1, 4, 8):
         assert est.estimate_s(n) == pytest.approx(0.0033 + 0.0029 * n, rel=0.1)
     assert est.refusal_s(8) <= est.estimate_s(8) < est.high_s(8) < 1.3 * est.estimate_s(8)
+
+
+def test_a_lone_stall_at_a_batch_size_seldom_seen_moves_the_estimate_little() -> None:
+    """Batches of 1 and 2 (7 and 10 ms) for a while, then one batch of 8 stalls for 500 ms
+    (a busy machine): the estimate of a batch of 8 may rise by the usual step for an
+    outlier, not jump toward the stall (a fit step in a direction the recent batches do not
+    measure would move it most of the way, and refuse on one outlier)."""
+    est = LinearLatency(0.004, 0.003)
+    for i in range(300):
+        est.observe(1 + i % 2, 0.007 if i % 2 == 0 else 0.010)
+    before = {n: est.estimate_s(n) for n in (1, 8)}
+    est.observe(8, 0.5)
+    for n in (1, 8):
+        assert est.estimate_s(n) <= 1.11 * before[n]
+    est.observe(8, 0.5)  # twice in a row: believed, the line moves most of the way
+    assert est.estimate_s(8) > 3 * before[8]
