@@ -133,7 +133,7 @@ def overload(policy: str, args: argparse.Namespace) -> list[Row]:
     rows = []
     with serving(config(policy, f"overload-{policy}"), OUT / f"overload-{policy}.log") as srv:
         run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
-        cap = args.capacity_scale or calibrate(srv, base, slos, [1, 2, 3, 4, 6],
+        cap = args.capacity_scale or calibrate(srv, base, slos, args.calibrate_scales,
                                                args.calibrate_seconds)
         args.capacity[policy] = cap
         print(f"  {policy}: capacity = {cap:g}x the mix ("
@@ -541,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overload-seconds", type=float, default=10.0)
     p.add_argument("--reps", type=int, default=3, help="rounds of 1x, 2x, 4x")
     p.add_argument("--calibrate-seconds", type=float, default=5.0)
+    p.add_argument("--calibrate-scales", type=lambda v: [float(x) for x in v.split(",")],
+                   default=[2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0],
+                   help="multiples of the mix's rate_rps tried by the capacity ramp (on a "
+                        "quiet 2-core machine the knee was 8-12x; the old 1-6 stopped short)")
     p.add_argument("--capacity-scale", type=float, default=0.0,
                    help="capacity as a multiple of the mix's rate_rps (0: calibrate)")
     p.add_argument("--fault-seconds", type=float, default=12.0)
