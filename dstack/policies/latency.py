@@ -40,13 +40,13 @@ class LinearLatency:
 
     `estimate_s` follows the mean (what a batch takes now: batch windows and policies
     plan with it), a line fitted by recursive least squares with forgetting (`_fit`).
-    `refusal_s` follows the fast end: the mean line's shape at a level `lo_s` (a
-    batch of 1) that drops at once to a faster batch and rises only slowly
-    (`LOW_RISE` per batch); it is never above the mean. Refusals use it, so a request
-    is refused only when even the speed the model reached recently cannot answer it in
-    time. Without it, contention feeds on itself: a
-    slower batch (the machine shared with the very clients being refused, who retry at
-    once) raises the estimate, which refuses more, which brings more retries.
+    `refusal_s` follows the fast end: the mean line's shape at a level `lo_s` (a batch
+    of 1) that drops at once to a faster batch and rises only slowly (`LOW_RISE` per
+    batch); it is never above the mean. Refusals use it, so a request is refused only
+    when even the speed the model reached recently cannot answer it in time. Without
+    it, contention feeds on itself: a slower batch (the machine shared with the very
+    clients being refused, who retry at once) raises the estimate, which refuses more,
+    which brings more retries.
 
     `high_s` is the slow end: the mean times `slow`, a running `SLOW_Q` quantile of how
     much longer than the mean batches take (never below 1). It is relative: a machine
