@@ -243,7 +243,11 @@ class _Model:
     delivery_s: cython.double
     # Items admitted per second, decayed with RATE_TAU_S, as of `rate_at`: how fast later
     # requests join a batch that has not launched yet (refused ones never count, so a
-    # storm of refusals and retries cannot inflate it).
+    # storm of refusals and retries cannot inflate it). The decayed count of
+    # `dstack.policies.rate_batching.ArrivalRate`, kept here as typed fields and updated
+    # at each admission: that class reads a cumulative count when a policy looks, and
+    # admission would look only now and then (its first look would take all the history
+    # as arriving at once).
     rate: cython.double
     rate_at: cython.double
     unserved: object  # why the policy does not serve it (str), or None
