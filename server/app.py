@@ -34,6 +34,7 @@ from dstack.common.errors import (
 )
 from dstack.common.types import ModelSpec, TensorSpec
 from server import codec
+from server.connection import RECEIVED_AT
 from server.dashboard import install_dashboard
 from server.metrics import CONTENT_TYPE, Metrics
 from server.model_config import triton_model_config
@@ -308,7 +309,8 @@ def create_app(
             raise
 
     async def _infer(request: Request, model: str, spec: ModelSpec) -> Response:
-        received = time.monotonic()  # the deadline counts from here, body read included
+        # the deadline counts from the request's first byte, the body's reading included
+        received = request.scope.get(RECEIVED_AT) or time.monotonic()
         check_admission(model)  # before the body is read
         body = await read_body(request, max_body_bytes)
         head = codec.parse_request(body, request.headers.get(codec.HEADER_LENGTH), spec)

@@ -62,6 +62,12 @@ def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
     return int(soft)
 
 
+#: The scope key of when the server's parser met a request's first byte (time.monotonic()):
+#: the request's deadline counts from there, the loop's delay in starting its handler
+#: (under load, tens of ms) included.
+RECEIVED_AT = "dstack.received_at"
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
     """A whole HTTP/1.1 response `{"error": message}` that closes the connection."""
     body = json.dumps({"error": message}).encode()
@@ -133,6 +139,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[RECEIVED_AT] = time.monotonic()  # type: ignore[literal-required]
         self._in_header = True
         if self._timer is None:  # a kept-alive connection's next request (the first is armed)
             self._arm(self.limits.header_timeout_s, self._header_timed_out)

@@ -33,15 +33,20 @@ The refusal rules (every refusal names one):
 
 Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
 batches took at their quickest, rising only slowly), and so does admission of a request
-with nothing queued ahead of it: it is refused only when even that says it cannot make it,
-so contention cannot feed on itself through refusals and retries, and a model whose queue
-empties always gets its next request through. A request that would wait behind queued
-work is admitted on the estimate's *slow end* (`LinearLatency.high_s`: the mean times a
-running 90th percentile of how much longer than the mean batches run) for all of it: the
-running batch's end, the batches ahead, its own batch. Under overload the queue stays full
-up to the last request admission lets in, so every request admitted is one at the margin:
-on the mean about half of them were refused later, as `expired`, after waiting most of
-their SLO, or answered late (measured in docs/reliability.md). The trim at launch reads
+to an idle model with nothing queued: it is refused only when even that says it cannot
+make it, so contention cannot feed on itself through refusals and retries, and a model
+that goes idle always gets its next request through. A request that would wait behind
+work (queued, or a running batch) is admitted on the estimate's *slow end*
+(`LinearLatency.high_s`: the mean times a running 90th percentile of how much longer than
+the mean batches run) for all of it: the running batch's end, the batches ahead, its own
+batch; and that finish is scaled by the model's `margin`. Under overload the queue stays
+full up to the last request admission lets in, so every request admitted is one at the
+margin: on the mean about half of them were refused later, as `expired`, after waiting
+most of their SLO, or answered late (measured in docs/reliability.md); on the slow end of
+one batch, still one in 20 to 50 (it misses if any batch before it runs long). The
+`margin` is a running quantile fed by the outcome of every request admitted behind work:
+it grows on each one answered late or refused after waiting, and shrinks slowly on each
+answered in time, so that MISS_Q of them miss. The trim at launch reads
 the mean: that batch runs now, and its likeliest length decides which heads it would
 answer late. Every batch end the core predicts adds the model's `overhead_s`: the mean of
 what recent batches took from launch to `complete` beyond the compute their worker timed
@@ -92,6 +97,13 @@ DELIVERY_STEP_S = cython.declare(cython.double, 0.0002)
 #: Time constant (s) of a model's admitted-items rate, which admission reads to size the
 #: batch a request will join (later arrivals fill it up to the cap before it launches).
 RATE_TAU_S = cython.declare(cython.double, 1.0)
+#: Admission behind work scales its predicted finish by a model's `margin`, kept so that
+#: this share of the requests admitted that way miss (answered late or refused after
+#: waiting): up MARGIN_STEP (relative) on a miss, down MARGIN_STEP * MISS_Q / (1 - MISS_Q)
+#: on a hit, between 1 and MARGIN_MAX.
+MISS_Q = cython.declare(cython.double, 0.002)
+MARGIN_STEP = cython.declare(cython.double, 0.02)
+MARGIN_MAX = cython.declare(cython.double, 1.5)
 
 _INF = cython.declare(cython.double, math.inf)
 _UNSERVED_KEY = cython.declare(cython.longlong, 1 << 60)
@@ -132,6 +144,7 @@ class Ticket:
     arrival: cython.double
     deadline: cython.double
     payload: object = None
+    behind: cython.bint = False  # admitted behind work, on the `margin` (`_Model`)
 
 
 @cython.dataclasses.dataclass(frozen=True)
@@ -250,6 +263,12 @@ class _Model:
     # as arriving at once).
     rate: cython.double
     rate_at: cython.double
+    # How much longer than the estimates say a request admitted behind work is taken to
+    # need (its predicted finish is scaled by it): a running (1 - MISS_Q) quantile, fed
+    # by the outcome of every such request (`outcome`). The slow end is the 90th
+    # percentile of one batch; a request admitted at the margin of a full queue misses
+    # if any of the batches before it, or its own, runs long.
+    margin: cython.double
     unserved: object  # why the policy does not serve it (str), or None
     dirty: cython.bint  # its queue view must be made again
 
@@ -280,6 +299,7 @@ class _Model:
         self.delivery_s = 0.0
         self.rate = 0.0
         self.rate_at = 0.0
+        self.margin = 1.0
         self.learned()
 
     @cython.ccall
@@ -296,6 +316,16 @@ class _Model:
         if now <= self.rate_at:
             return self.rate
         return self.rate * math.exp((self.rate_at - now) / RATE_TAU_S)
+
+    @cython.cfunc
+    def outcome(self, t: Ticket, missed: cython.bint) -> cython.void:
+        """Ticket `t` was answered (late: `missed`) or refused after it was admitted."""
+        if not t.behind:
+            return
+        if missed:
+            self.margin = min(MARGIN_MAX, self.margin * (1.0 + MARGIN_STEP))
+        else:
+            self.margin = max(1.0, self.margin * (1.0 - MARGIN_STEP * MISS_Q / (1.0 - MISS_Q)))
 
     @cython.cfunc
     def push(self, t: Ticket) -> cython.void:
@@ -515,7 +545,7 @@ class _Core:
                 own = cap
             start: cython.double = now
             per_batch: cython.double
-            slow_end: cython.bint = ahead > 0  # it waits behind others: all of it there
+            slow_end: cython.bint = ahead > 0 or st.running  # it waits behind work
             if slow_end:
                 if st.running and st.run_high_until > now:
                     start = st.run_high_until
@@ -538,6 +568,9 @@ class _Core:
             own_s: cython.double = est.high_s(own) if slow_end else est.refusal_s(own)
             own_s += st.overhead_s + st.delivery_s
             finish: cython.double = launch + own_s
+            if slow_end:
+                finish = now + (finish - now) * st.margin
+                t.behind = True
             if finish > t.deadline:
                 st.est_refused = True
                 return self._refusal(
@@ -649,6 +682,7 @@ class _Core:
             while st.qlen and st.head_deadline - run_s < now:
                 t: Ticket = st.pop()
                 self.queued -= t.n
+                st.outcome(t, True)
                 if run_s > 0:
                     st.est_refused = True
                 out.append(self._refusal(
@@ -697,6 +731,7 @@ class _Core:
                     break
                 taken -= t.n
                 st.est_refused = True
+                st.outcome(t, True)
                 refusals.append(self._refusal(
                     st, t, RefusalReason.EXPIRED,
                     f"model {model}: request waited {1000 * (now - t.arrival):.1f} ms; the next "
@@ -727,12 +762,14 @@ class _Core:
         c.items += batch.n
         c.compute_s += compute_s
         started: cython.double = batch.started
+        answered: cython.double = now + st.delivery_s
         t: Ticket
         for t in batch.tickets:
             c.served += 1
             c.queue_s += started - t.arrival
             if now <= t.deadline:
                 c.within_slo += 1
+            st.outcome(t, answered > t.deadline)
         extra: cython.double = now - started - compute_s
         if extra < 0:
             extra = 0.0

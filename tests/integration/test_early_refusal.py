@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from dstack.common.config import parse_config
@@ -30,6 +31,12 @@ class RefusingBackend(FakeBackend):
         super().__init__()
         self.refusal: DStackError | None = None
         self.asked: list[str] = []
+        self.since: list[float] = []  # each request's since_received_s
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
+        self.since.append(since_received_s)
+        return await super().infer(model, inputs)
 
     def refuse_early(self, model: str) -> None:
         self.spec(model)  # ModelNotFound, as the runtime's
@@ -164,3 +171,19 @@ def test_unknown_models_and_other_versions_are_left_to_the_routes(
             assert e.value.code == 404, path
     finally:
         backend.refusal = None
+
+
+def test_a_requests_deadline_counts_from_its_first_byte(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """The SLO counts from the first byte of a request the server read, not from when its
+    handler started: a header that arrives in two parts 300 ms apart has that time
+    counted, as would a handler started late by a busy event loop."""
+    addr, backend = served
+    head = _head(len(VALID))
+    with socket.create_connection(addr, timeout=5) as s:
+        s.sendall(head[:10])
+        time.sleep(0.3)
+        s.sendall(head[10:] + VALID)
+        status, _, body = _response(s)
+    assert status == 200, body
+    assert backend.since[-1] >= 0.3
