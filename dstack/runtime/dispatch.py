@@ -101,8 +101,8 @@ RATE_TAU_S = cython.declare(cython.double, 1.0)
 #: this share of the requests admitted that way miss (answered late or refused after
 #: waiting): up MARGIN_STEP (relative) on a miss, down MARGIN_STEP * MISS_Q / (1 - MISS_Q)
 #: on a hit, between 1 and MARGIN_MAX.
-MISS_Q = cython.declare(cython.double, 0.002)
-MARGIN_STEP = cython.declare(cython.double, 0.02)
+MISS_Q = cython.declare(cython.double, 0.005)
+MARGIN_STEP = cython.declare(cython.double, 0.01)
 MARGIN_MAX = cython.declare(cython.double, 1.5)
 
 _INF = cython.declare(cython.double, math.inf)
