@@ -208,8 +208,9 @@ class BigBodySender:
     when the child starts (`start`, before the measured windows), the POSTs when `send`
     is awaited."""
 
-    def __init__(self, url: str, n: int, mb: float, hang_s: float = 120.0) -> None:
-        self.url, self.n, self.mb, self.hang_s = url, n, mb, hang_s
+    def __init__(self, url: str, n: int, mb: float, hang_s: float = 120.0,
+                 nice: int = 0) -> None:
+        self.url, self.n, self.mb, self.hang_s, self.nice = url, n, mb, hang_s, nice
         self.body_bytes = 0
         self._proc: Any = None
         self._conn: Any = None
@@ -220,7 +221,8 @@ class BigBodySender:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_big_body_child,
-                                 args=(self.url, self.n, self.mb, self.hang_s, child),
+                                 args=(self.url, self.n, self.mb, self.hang_s, self.nice,
+                                       child),
                                  daemon=True)
         self._proc.start()
         child.close()
@@ -241,7 +243,9 @@ class BigBodySender:
             self._proc.join()
 
 
-def _big_body_child(url: str, n: int, mb: float, hang_s: float, conn: Any) -> None:
+def _big_body_child(url: str, n: int, mb: float, hang_s: float, nice: int,
+                    conn: Any) -> None:
+    os.nice(nice)
     body = big_json(mb)
     conn.send(len(body))
     if conn.recv() != "go":

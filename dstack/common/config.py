@@ -182,6 +182,11 @@ class DeployConfig(_Strict):
     """Workers get two arena halves: a batch's inputs are written into one while the batch
     before it computes from the other (on CUDA: from pinned memory, on a copy stream), and
     the next batch is sent before the last one's outputs are read. False: one half."""
+    worker_nice: Annotated[int, Field(ge=0, le=19)] = 10
+    """Workers run this much nicer than the server (Linux `nice`): on cores the workers
+    share with the server's event loop, reading requests, refusing and answering them go
+    before compute (measured in docs/reliability.md, "Overload, fifth step"). 0: the same
+    priority."""
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

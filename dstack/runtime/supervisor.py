@@ -103,8 +103,9 @@ class Supervisor:
                  slices: SliceBackend, *, on_change: Callable[[], None],
                  on_failed: Callable[[str, DStackError], None],
                  on_restarted: Callable[[str, float, float | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, worker_nice: int = 0) -> None:
         self.slices = slices
+        self.worker_nice = worker_nice  # DeployConfig.worker_nice
         self._slots = {name: _Slot(cfg, spec) for name, (cfg, spec) in models.items()}
         self._on_change = on_change
         self._on_failed = on_failed
@@ -207,6 +208,7 @@ class Supervisor:
             builder=s.cfg.builder,
             extra_env={**self.slices.worker_env(),
                        **({"OMP_WAIT_POLICY": "PASSIVE"} if s.passive else {})},
+            nice=self.worker_nice,
         )
         t0 = self._clock()
         h = WorkerHandle.create(wcfg)

@@ -56,6 +56,7 @@ class WorkerConfig:
     torchscript: str | None = None
     builder: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    nice: int = 0  # added to the worker's niceness, before it starts any thread
 
 
 # --------------------------------------------------------------------------- child side
@@ -76,8 +77,23 @@ def _check_mps_client(cfg: WorkerConfig) -> None:
         ) from None
 
 
+def _renice(n: int) -> None:
+    """Make every thread of this process `n` nicer: those already running (numpy's BLAS
+    pool, made when the worker's modules were imported) one by one, as Linux keeps a
+    niceness per thread; those made later (torch's) inherit the main thread's."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread only
+        os.nice(n)
+        return
+    for tid in tids:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + n)
+
+
 def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     os.environ.update(cfg.extra_env)
+    if cfg.nice:
+        _renice(cfg.nice)
     keep_heap()  # before torch allocates anything
     try:
         enter_slice(cfg.slice)

@@ -1,6 +1,7 @@
 """A worker killed under a real `dstack serve`: while it restarts, a request whose SLO can
 wait for it is answered once it is back, one whose SLO cannot is refused at once with 503
-and Retry-After; /stats and /metrics count the same failures; the log says it once."""
+and Retry-After; /stats and /metrics count the same failures; the log says it once. Workers,
+restarted ones too, run `worker_nice` (10) nicer than the server, every thread of them."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def _infer(url: str, model: str) -> tuple[int, Message]:
         return e.code, e.headers
 
 
+def _niceness(pid: int) -> set[int]:
+    """The niceness of each thread of process `pid` (field 19 of /proc/PID/task/TID/stat)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = open(f"/proc/{pid}/task/{tid}/stat").read()  # noqa: SIM115
+        out.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+def _worker_pids(log: str) -> dict[str, int]:
+    return {m: int(p) for m, p in re.findall(r"worker (\w+) ready (?:in \S+ s )?\(pid (\d+)", log)}
+
+
 def _failures(text: str, model: str) -> float:
     return sum(float(v) for v in re.findall(
         rf'^nv_inference_request_failure\{{[^}}]*model="{model}"[^}}]*\}} (\S+)$', text, re.M))
@@ -48,8 +62,9 @@ def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(serve) -> N
     })
     for m in ("patient", "hasty"):
         assert _infer(srv.url, m)[0] == 200
-    log = srv.log.read_text()
-    pids = {m: int(p) for m, p in re.findall(r"worker (\w+) ready (?:in \S+ s )?\(pid (\d+)", log)}
+    pids = _worker_pids(srv.log.read_text())
+    server_nice = os.getpriority(os.PRIO_PROCESS, srv.proc.pid)
+    assert {m: _niceness(p) for m, p in pids.items()} == {m: {server_nice + 10} for m in pids}
     for m in ("patient", "hasty"):
         os.kill(pids[m], signal.SIGKILL)
     time.sleep(0.5)  # the deaths are seen
@@ -69,3 +84,4 @@ def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(serve) -> N
     assert fail == _failures(metrics, "hasty") >= 3  # one count, both views
     log = srv.log.read_text()
     assert len(re.findall(r"hasty.*restarted in", log)) == 1, log[-3000:]
+    assert _niceness(_worker_pids(log)["hasty"]) == {server_nice + 10}
