@@ -78,16 +78,19 @@ def _check_mps_client(cfg: WorkerConfig) -> None:
 
 
 def _renice(n: int) -> None:
-    """Make every thread of this process `n` nicer: those already running (numpy's BLAS
-    pool, made when the worker's modules were imported) one by one, as Linux keeps a
-    niceness per thread; those made later (torch's) inherit the main thread's."""
+    """Make every thread of this process `n` nicer: those already running (made while
+    the worker's modules were imported) one by one, as Linux keeps a niceness per
+    thread; those made later (torch's) inherit the main thread's."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # no /proc: the calling thread only
         os.nice(n)
         return
     for tid in tids:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + n)
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + n)
+        except ProcessLookupError:  # that thread has ended meanwhile
+            pass
 
 
 def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
