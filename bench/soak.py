@@ -12,7 +12,6 @@ loaded and warm) and after the last.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import time
 import yaml
 
 from bench import chaos_load as cl
-from bench.bench_chaos import OUT, config, worker_pid
+from bench.bench_chaos import OUT, config, run, worker_pid
 from bench.servers import ROOT, serving
 
 MIX = ROOT / "configs/bench-mix-dstack.yaml"
@@ -49,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         pids = {"server": srv.pid, **{f"worker {m}": worker_pid(srv, m) for m in rates}}
         t0 = time.monotonic()
         for w in range(windows):
-            res = asyncio.run(cl.open_loop(srv.host, rates, slos, args.window_seconds,
-                                           seed=w + 1))
+            res = run(cl.open_loop(srv.host, rates, slos, args.window_seconds, seed=w + 1))
             t = cl.total(res)
             total.add(t)
             rss = {k: cl.rss_mb(pid) for k, pid in pids.items()}
