@@ -42,6 +42,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ import yaml
 
 from bench import chaos_load as cl
 from bench.servers import ROOT, Server, get_json, serving
+from dstack.common.config import DeployConfig
 
 MIX = {"dstack": ROOT / "configs/bench-mix-dstack.yaml",
        "spatial": ROOT / "configs/bench-mix-spatial.yaml"}
@@ -106,28 +108,19 @@ def _fmt(v: Any) -> str:
 #: How much nicer than this process the load runs (`run`, the big-body sender): the
 #: servers' workers' niceness, so that on the cores they share, the benchmark's clients,
 #: which in production sit on other machines, neither outrank the workers nor yield to them.
-LOAD_NICE = 10
+LOAD_NICE: int = DeployConfig.model_fields["worker_nice"].default
 
 
 def run(coro: Any) -> Any:
     """`asyncio.run(coro)` in a thread LOAD_NICE nicer (Linux keeps a niceness per thread;
     the servers, started from this thread, keep this process's)."""
-    out: list[Any] = []
-
-    def go() -> None:
+    def go() -> Any:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                        os.getpriority(os.PRIO_PROCESS, 0) + LOAD_NICE)
-        try:
-            out.append(asyncio.run(coro))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            out.append(e)
+        return asyncio.run(coro)
 
-    t = threading.Thread(target=go)
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(go).result()
 
 
 # ------------------------------------------------------------------ scenarios
@@ -582,12 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stalled", type=int, default=50)
     p.add_argument("--fuzz", type=int, default=100_000)
     p.add_argument("--worker-nice", type=int, default=None,
-                   help="worker_nice of every server started (default: the config's, 10); "
+                   help="worker_nice of every server started (default: the config's); "
                         "the load generators run as nice as the workers")
     args = p.parse_args(argv)
     args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
     global LOAD_NICE
-    LOAD_NICE = 10 if args.worker_nice is None else args.worker_nice
+    if args.worker_nice is not None:
+        LOAD_NICE = args.worker_nice
     args.capacity = {}
     signal.signal(signal.SIGTERM, _interrupt)  # stop our servers on `timeout` / kill too
     OUT.mkdir(parents=True, exist_ok=True)

@@ -476,8 +476,8 @@ class _Core:
               since_s: float = 0.0) -> Ticket | Refusal:
         """Queue a request of `n` items for `model` (a served model with replicas: to one
         of them, see the module docstring), or refuse it. `since_s`: how long ago the
-        request arrived (the server received its header then read its body): its
-        deadline counts from then."""
+        request arrived (the server read its first byte, then its body): its deadline
+        counts from then."""
         i: cython.Py_ssize_t
         group = self.groups.get(model) if self.groups else None
         i = self.index[model] if group is None else self._route(group)
