@@ -51,6 +51,7 @@ import yaml
 from bench import chaos_load as cl
 from bench.servers import ROOT, Server, get_json, serving
 from dstack.common.config import DeployConfig
+from dstack.common.pauses import freeze_startup_objects
 
 MIX = {"dstack": ROOT / "configs/bench-mix-dstack.yaml",
        "spatial": ROOT / "configs/bench-mix-spatial.yaml"}
@@ -113,7 +114,12 @@ LOAD_NICE: int = DeployConfig.model_fields["worker_nice"].default
 
 def run(coro: Any) -> Any:
     """`asyncio.run(coro)` in a thread LOAD_NICE nicer (Linux keeps a niceness per thread;
-    the servers, started from this thread, keep this process's)."""
+    the servers, started from this thread, keep this process's), after freezing this
+    process's objects: a full collection among the results of earlier windows and the
+    imports took 45 ms here in the middle of a window, and each answer in flight then was
+    timed that much late."""
+    freeze_startup_objects()
+
     def go() -> Any:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                        os.getpriority(os.PRIO_PROCESS, 0) + LOAD_NICE)

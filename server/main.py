@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
+from dstack.common.pauses import freeze_startup_objects
 from server.app import MODEL_VERSION, create_app
 from server.auth import BearerAuth, load_token
 from server.connection import ConnectionLimits, LimitedHttpToolsProtocol, raise_fd_limit
@@ -141,6 +142,7 @@ class _Serving(uvicorn.Server):
         except BaseException:
             await self.runtime.stop()
             raise
+        freeze_startup_objects()  # a full collection must not stop the loop for ~150 ms
         self.on_ready()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 
 from dstack.common.errors import BackendError, Unavailable
 from dstack.common.heap import keep_heap
+from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import SliceSpec, enter_slice
 from dstack.common.types import ModelSpec
 from dstack.runtime.messages import (
@@ -152,6 +153,7 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         # until real batches have confirmed it (LinearLatency.trusted).
         ms1 = min(timed(1) for _ in range(5))
         ms_max = min(timed(cfg.layout.max_batch) for _ in range(3))
+        freeze_startup_objects()  # no batch waits for a collection that walks torch's objects
         conn.send(Ready(os.getpid(), ms1, ms_max, cfg.layout.max_batch))
     except Exception as e:  # noqa: BLE001 - reported to the parent, then exit
         conn.send(StartFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
