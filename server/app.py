@@ -188,17 +188,31 @@ def create_app(
     check_admission: Callable[[str], None] = getattr(backend, "check_admission", require_ready)
     # A backend that can tell whether it would refuse n items now, without queuing them,
     # says so once the request's header is parsed (`Runtime.check_batch`).
-    check_batch: Callable[[str, int], None] | None = getattr(backend, "check_batch", None)
+    # (model, n, since_s, ready_s): see `Runtime.check_batch`.
+    check_batch: Callable[[str, int, float, float], None] | None = getattr(
+        backend, "check_batch", None)
 
-    async def decode_data(head: codec.RequestHead) -> codec.InferRequest:
+    async def decode_data(head: codec.RequestHead, model: str,
+                          received: float) -> codec.InferRequest:
         """The request's JSON values, parsed on the loop a piece at a time (0.2 to
-        1.4 ms each), letting other requests run between pieces (docs/reliability.md)."""
+        1.4 ms each), letting other requests run between pieces (docs/reliability.md).
+        After the first piece of a body with more, the backend is asked again whether the
+        request can meet its SLO, its parse taking yet what the rest takes at this
+        piece's pace: a body that would be parsed too late is refused unparsed."""
         steps = codec.decode_data(head)
+        busy = 0.0  # seconds spent parsing, not counting other requests' turns
+        asked = check_batch is None
         while True:
+            t0 = time.perf_counter()
             try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                done = next(steps)
+            except StopIteration as end:
+                return end.value  # type: ignore[no-any-return]
+            busy += time.perf_counter() - t0
+            if not asked and done > 0:
+                asked = True
+                check_batch(model, head.batch_size, time.monotonic() - received,
+                            busy * (head.json_bytes - done) / done)
             await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ server
@@ -315,8 +329,8 @@ def create_app(
         body = await read_body(request, max_body_bytes)
         head = codec.parse_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
         if check_batch is not None:  # refused by its batch size before its numbers are parsed
-            check_batch(model, head.batch_size)
-        req = await decode_data(head)
+            check_batch(model, head.batch_size, time.monotonic() - received, 0.0)
+        req = await decode_data(head, model, received)
         outputs = await backend.infer(model, req.inputs, time.monotonic() - received)
         payload, hlen = codec.encode_response(model, req, outputs, spec)
         if hlen is None:

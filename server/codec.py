@@ -253,6 +253,11 @@ class RequestHead:
     binary_inputs: dict[str, np.ndarray]
     json_inputs: tuple[_JsonInput, ...]
 
+    @property
+    def json_bytes(self) -> int:
+        """Bytes of JSON `data` arrays still to parse (what `decode_data` counts)."""
+        return sum(j.span[1] - j.span[0] for j in self.json_inputs if j.span is not None)
+
 
 def decode_request(body: bytes, header_length: int | str | None, spec: ModelSpec) -> InferRequest:
     """Decode and validate an infer request body against `spec`.
@@ -400,14 +405,25 @@ def parse_request(body: bytes, header_length: int | str | None, spec: ModelSpec)
                        tuple(json_inputs))
 
 
-def decode_data(head: RequestHead) -> Generator[None, None, InferRequest]:
+def decode_data(head: RequestHead) -> Generator[int, None, InferRequest]:
     """Parse the JSON values of a parsed request: a generator that yields between
-    pieces of big flat `data` arrays (about `json_tensors.CHUNK_BYTES` each) and returns
-    the `InferRequest`. An event loop can step it and let other work run in between;
-    `decode_request` runs it to the end. Raises RequestError naming what is wrong."""
+    pieces of big flat `data` arrays (about `json_tensors.CHUNK_BYTES` each) how many of
+    `head.json_bytes` are parsed so far, and returns the `InferRequest`. An event loop can
+    step it and let other work run in between; `decode_request` runs it to the end.
+    Raises RequestError naming what is wrong."""
     arrays = dict(head.binary_inputs)
+    before = 0  # bytes of the spans parsed before this one
     for j in head.json_inputs:
-        arrays[j.name] = yield from _json_array(head.body, j)
+        steps = _json_array(head.body, j)
+        while True:
+            try:
+                done = next(steps)
+            except StopIteration as e:
+                arrays[j.name] = e.value
+                break
+            yield before + done
+        if j.span is not None:
+            before += j.span[1] - j.span[0]
     inputs = {n: arrays[n] for n in head.names}
     return InferRequest(head.id, inputs, head.outputs, head.binary_output, head.batch_size)
 
@@ -422,7 +438,7 @@ def _json_span_whole(body: bytes, j: _JsonInput) -> np.ndarray:
     return _array_from_json(value, j.datatype, j.shape, f"input {j.name!r}")
 
 
-def _json_array(body: bytes, j: _JsonInput) -> Generator[None, None, np.ndarray]:
+def _json_array(body: bytes, j: _JsonInput) -> Generator[int, None, np.ndarray]:
     where = f"input {j.name!r}"
     if j.span is None:
         return _array_from_json(j.value, j.datatype, j.shape, where)

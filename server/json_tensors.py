@@ -131,9 +131,9 @@ def value_count(body: bytes, span: tuple[int, int]) -> int:
 
 
 def decode_flat(body: bytes, span: tuple[int, int], out: np.ndarray, integers: bool
-                ) -> Generator[None, None, None]:
+                ) -> Generator[int, None, None]:
     """Parse the flat JSON array at `span` into `out` (1-D, of exactly the size wanted),
-    yielding between pieces. Raises DataError."""
+    yielding between pieces how many of the span's bytes are parsed. Raises DataError."""
     start, stop = span
     last = stop - 1  # the ']'
     kind = "i" if integers else "d"
@@ -176,6 +176,6 @@ def decode_flat(body: bytes, span: tuple[int, int], out: np.ndarray, integers: b
         if b == last:
             break
         a = b + 1
-        yield
+        yield a - start
     if filled != out.size:
         raise DataError("count", count=filled)

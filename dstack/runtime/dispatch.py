@@ -59,8 +59,11 @@ full, and a request admitted on its batch as it was at arrival was refused at la
 answered late, whenever its batch filled up). A request's deadline counts from when the
 server received it (`admit`'s `since_s`), not from when its body had been read.
 
-`refuse_early(model, n, now)` asks the admission rules without queuing (the server asks it
-before reading a request's body, with n = 1: a refusal then costs no body).
+`refuse_early(model, n, now, since_s, ready_s)` asks the admission rules without queuing
+(the server asks it before reading a request's body, with n = 1: a refusal then costs no
+body; again with the batch size once the header is parsed; and once more after the first
+piece of a big JSON body, with `ready_s` the time its parse will take yet: the request
+joins its batch no earlier than then).
 
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
@@ -491,7 +494,7 @@ class _Core:
         t.arrival = now - since_s if since_s > 0 else now
         t.deadline = t.arrival + st.slo_s
         t.payload = payload
-        r = self._check(st, t, model, now)
+        r = self._check(st, t, model, now, now)
         if r is not None:
             return r
         if self._probe_due(st, now):
@@ -501,8 +504,10 @@ class _Core:
         st.counters.admitted += 1
         return t
 
-    def refuse_early(self, model: str, n: int, now: float) -> Refusal | None:
-        """`admit`'s refusal for a request of `n` items arriving now, without queuing it:
+    def refuse_early(self, model: str, n: int, now: float, since_s: float = 0.0,
+                     ready_s: float = 0.0) -> Refusal | None:
+        """`admit`'s refusal for a request of `n` items, received `since_s` ago, that can
+        be queued `ready_s` from now (its body still to be parsed), without queuing it:
         the Refusal (counted, as `admit` counts one), or None when `admit` would queue it
         (nothing counted: the request is admitted, and counted, by `admit` later)."""
         i: cython.Py_ssize_t
@@ -512,16 +517,18 @@ class _Core:
         t: Ticket = Ticket.__new__(Ticket)
         t.model = i
         t.n = n
-        t.arrival = now
-        t.deadline = now + st.slo_s
-        r = self._check(st, t, model, now)
+        t.arrival = now - since_s if since_s > 0 else now
+        t.deadline = t.arrival + st.slo_s
+        r = self._check(st, t, model, now, now + ready_s if ready_s > 0 else now)
         if r is not None:
             st.counters.arrived += 1
         return r
 
     @cython.cfunc
-    def _check(self, st: _Model, t: Ticket, model: str, now: cython.double) -> object:
-        """The Refusal of ticket `t` (not queued yet) by the admission rules, or None."""
+    def _check(self, st: _Model, t: Ticket, model: str, now: cython.double,
+               ready: cython.double) -> object:
+        """The Refusal of ticket `t` (not queued yet, and not before `ready`) by the
+        admission rules, or None."""
         k: cython.longlong = t.n
         if st.items + k > st.max_queue:
             return self._refusal(st, t, RefusalReason.QUEUE_FULL,
@@ -560,6 +567,8 @@ class _Core:
             # a request admitted on its batch as it is now would be answered late, or
             # refused at launch as `expired` after waiting, whenever its batch filled up.
             launch: cython.double = start + full_batches * per_batch
+            if ready > launch:  # its body is still being parsed when its batch could go
+                launch = ready
             if own < cap and launch > now:
                 joining: cython.double = st.rate_now(now) * (launch - now)
                 own = own + cython.cast(cython.longlong, joining + 0.5)  # the likeliest count
@@ -573,12 +582,14 @@ class _Core:
                 t.behind = True
             if finish > t.deadline:
                 st.est_refused = True
+                parse: str = (f" (its body takes about {1000 * (ready - now):.0f} ms more to "
+                              "parse: binary tensors take none)") if ready > now else ""
                 return self._refusal(
                     st, t, RefusalReason.WORK_AHEAD,
                     f"model {model}: {ahead} items are queued ahead; at about "
                     f"{per_batch * 1000:.1f} ms per batch of {cap} this request would "
-                    f"finish {1000 * (finish - t.arrival):.1f} ms after arrival, over its SLO of "
-                    f"{st.spec.slo_s * 1000:g} ms")
+                    f"finish {1000 * (finish - t.arrival):.1f} ms after arrival{parse}, over "
+                    f"its SLO of {st.spec.slo_s * 1000:g} ms")
         return None
 
     @cython.cfunc

@@ -467,17 +467,20 @@ class Runtime:
         self.check_admission(model)
         self.check_batch(model, 1)
 
-    def check_batch(self, model: str, n: int) -> None:
-        """Raise the dispatch core's refusal (429) of a request of `n` items for `model`
-        arriving now, counted as `infer` counts one, without queuing it; return when it
-        would be admitted (`infer` then admits it). The server asks this once it has
-        read a request's header and before it parses its JSON numbers (`server.codec`):
-        a batch too big for the SLO or the queue costs no parsing."""
+    def check_batch(self, model: str, n: int, since_s: float = 0.0,
+                    ready_s: float = 0.0) -> None:
+        """Raise the dispatch core's refusal (429) of a request of `n` items for `model`,
+        received `since_s` ago and ready to queue `ready_s` from now, counted as `infer`
+        counts one, without queuing it; return when it would be admitted (`infer` then
+        admits it). The server asks this once it has read a request's header and before
+        it parses its JSON numbers (`server.codec`): a batch too big for the SLO or the
+        queue, or a body that took its SLO to arrive, costs no parsing; and again after
+        the first piece of a big JSON body, with the time the rest will take to parse."""
         core = self.core
         if core is None:
             return  # not ready: `infer` says so
         now = self._clock()
-        got = core.refuse_early(model, n, now)
+        got = core.refuse_early(model, n, now, since_s, ready_s)
         if got is not None:
             if self.replanner is not None:
                 self.replanner.record(model, now)  # demand: counted as `infer` counts it

@@ -57,3 +57,47 @@ def test_a_batch_over_its_slo_is_refused_before_its_numbers_are_parsed(
             await rt.stop()
 
     asyncio.run(main())
+
+
+def test_a_json_body_that_would_be_parsed_past_its_slo_is_refused_after_its_first_piece(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 items of 50-digit floats (10 MB of JSON) take ~55 ms to parse here, against an
+    SLO of 20 ms that the batch itself (6.4 ms) fits: refused once the first piece has
+    shown the pace, the rest never parsed."""
+    pieces: list[int] = []
+    real = json_tensors.decode_flat
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        pieces.append(0)
+        for done in real(*args, **kwargs):
+            pieces[-1] += 1
+            yield done
+
+    monkeypatch.setattr(json_tensors, "decode_flat", counting)
+    cfg = parse_config({"models": [{"name": "tiny_cnn", "slo_ms": 20, "max_batch_size": 64,
+                                    "max_queue_delay_ms": 1}]})
+    x = np.random.default_rng(0).random(64 * 3 * 32 * 32)
+    data = ",".join(np.char.mod("%.48f", x).tolist())
+    slow = ('{"inputs":[{"name":"input","datatype":"FP32","shape":[64,3,32,32],"data":['
+            + data + ']}]}').encode()
+
+    async def main() -> None:
+        rt = Runtime(cfg)
+        await rt.start()
+        try:
+            rt.core.set_estimate("tiny_cnn", LinearLatency(0.0, 0.0001, observations=10))
+            transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 24))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                         timeout=60) as http:
+                r = await http.post("/v2/models/tiny_cnn/infer", content=slow)
+                assert r.status_code == 429, r.text
+                assert r.json()["reason"] == "work_ahead"
+                assert "more to parse" in r.json()["error"]
+                assert pieces == [1]  # of about 40
+                assert rt.stats("tiny_cnn").refused == 1
+                r = await http.post("/v2/models/tiny_cnn/infer", content=_json_body(1))
+                assert r.status_code == 200, r.text
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())

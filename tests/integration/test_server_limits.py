@@ -131,7 +131,8 @@ def _big_double_body(rows: int) -> tuple[bytes, list[float]]:
 class _RefusesBigBatches(FakeBackend):
     """Refuses batches over 2 by their size, as the runtime's admission does."""
 
-    def check_batch(self, model: str, n: int) -> None:
+    def check_batch(self, model: str, n: int, since_s: float = 0.0,
+                    ready_s: float = 0.0) -> None:
         from dstack.common.errors import Overloaded
 
         if n > 2:

@@ -358,6 +358,22 @@ def test_refuse_early_answers_as_admit_would_without_queuing() -> None:
     assert core.queue_items(A) == 8 and core.refuse_early(B, 1, 0.0) is None
 
 
+def test_refuse_early_counts_the_time_before_and_after_the_header() -> None:
+    """A batch takes 40 ms, the SLO is 100 ms, the model is idle. A request whose body
+    took 70 ms to arrive, or whose JSON takes 70 ms more to parse, is refused before its
+    numbers are parsed, and the refusal says why; 50 ms of either is admitted."""
+    core = core_for(estimates={A: trusted(0.04)})
+    assert core.refuse_early(A, 1, 0.0, since_s=0.05) is None
+    assert core.refuse_early(A, 1, 0.0, ready_s=0.05) is None
+    late = core.refuse_early(A, 1, 0.0, since_s=0.07)
+    assert isinstance(late, Refusal) and late.reason is RefusalReason.WORK_AHEAD
+    assert "finish 110.0 ms after arrival" in late.message and "parse" not in late.message
+    slow = core.refuse_early(A, 1, 0.0, ready_s=0.07)
+    assert isinstance(slow, Refusal) and slow.reason is RefusalReason.WORK_AHEAD
+    assert "its body takes about 70 ms more to parse" in slow.message
+    assert core.counters(A).refused["work_ahead"] == 2
+
+
 def test_admission_counts_the_requests_that_will_join_its_batch_before_it_launches() -> None:
     """Batches take 20 ms + 10 ms per item (a full batch of 4: 60 ms); SLO 100 ms. A batch
     of 3 runs until 50 ms. A new request's batch launches then; counted as it is now (1
