@@ -5,7 +5,8 @@ says enough; and refusals that let the client finish sending, so that it reads t
 A client that is answered before it has sent its whole body (urllib, requests and
 tritonclient send the body first and read after) sees a connection reset when the server
 closes on unread bytes. `refuse` therefore answers, then reads and drops what the client
-still sends (up to a bound), then closes.
+still sends (up to a bound), then closes; or, for a body over the budget whose length the
+header declares, answers at once and keeps the connection while the protocol drops the body.
 """
 
 from __future__ import annotations
@@ -49,14 +50,26 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
-                 headers: Iterable[tuple[bytes, bytes]] = (), drain_bytes: int = 0) -> None:
+                 headers: Iterable[tuple[bytes, bytes]] = (), drain_bytes: int = 0,
+                 keep: bool = False) -> None:
     """Answer `{"error": message}` with `status` and close the connection, after reading and
     dropping up to `drain_bytes` of the request body the client is still sending (a client
-    that stalls meanwhile is cut by the connection's body timeout)."""
+    that stalls meanwhile is cut by the connection's body timeout).
+
+    `keep` (a body of a declared length, within the limit): unless the client asked to
+    close, the connection is kept and the answer is complete at once; uvicorn's protocol
+    then drops the rest of the body as it comes (`on_body` ignores bytes after the answer),
+    with no copy of it and no wake-up of this task per piece, and the client's next request
+    reuses the connection (`server.early` refuses the same way)."""
     body = json.dumps({"error": message}).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"), *headers]})
+    head = [(b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()), *headers]
+    if keep and not closes_after(scope):
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*head, (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": True})
     await drain(scope, receive, drain_bytes)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -113,8 +126,8 @@ class BodyLimits:
         if declared > self.max_body_bytes:
             await self._too_large(scope, receive, send, f"{declared} bytes")
             return
-        if not self.budget.take(declared):
-            await self._over_budget(scope, receive, send)
+        if not self.budget.take(declared):  # nothing read yet: a declared body is dropped
+            await self._over_budget(scope, receive, send, keep=length is not None)
             return
         taken = declared
         big = declared >= TRIM_AFTER_BYTES
@@ -159,13 +172,13 @@ class BodyLimits:
                      drain_bytes=self.drain_bytes if drain else 0)
 
     async def _over_budget(self, scope: Scope, receive: Receive, send: Send, *,
-                           drain: bool = True) -> None:
+                           drain: bool = True, keep: bool = False) -> None:
         b = self.budget
         await refuse(scope, receive, send, 503,
                      f"server busy: request bodies in flight use {b.used_bytes} of "
                      f"{b.limit_bytes} bytes (server.body_budget_bytes); retry later",
                      headers=[self.retry_after],
-                     drain_bytes=self.drain_bytes if drain else 0)
+                     drain_bytes=self.drain_bytes if drain else 0, keep=keep)
 
 
 class _Trims:

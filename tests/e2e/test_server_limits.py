@@ -163,6 +163,13 @@ def test_bodies_over_the_budget_get_503_with_retry_after_before_being_read(
         payload = json.loads(r.read())
         assert r.status == 503 and r.getheader("Retry-After") == "1", payload
         assert "body_budget_bytes" in payload["error"]
+        assert r.getheader("Connection") != "close"
+        # The body, sent after all, is dropped; the connection serves the next request.
+        conn.send(b"x" * 64 * 1024)
+        conn.request("POST", INFER, body=_infer_json(), headers=AUTH)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        assert json.loads(r.read())["outputs"][0]["shape"] == [1, 10]
         conn.close()
         # A chunked body is counted as it arrives.
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=BODY_TIMEOUT_S / 2)
