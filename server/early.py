@@ -16,6 +16,12 @@ the rest of its body is read and dropped before the close (up to `drain_bytes`),
 body limits do: closing with its bytes unread would reset the connection mid-upload.
 A request whose batch turns out to be bigger than one item is checked again, whole, when
 it is admitted.
+
+A body still arriving is checked again every `CHECK_EVERY_BYTES` (`refuse_early(model,
+since_s)`, since_s counted from the request's first byte): a request whose deadline has
+gone by while its body was being received (60 MB takes longer to arrive than a 60 ms SLO)
+is refused then, the same way, and the rest of its body is dropped as it comes instead of
+being copied, held and parsed only to be refused.
 """
 
 from __future__ import annotations
@@ -24,24 +30,38 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Callable
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
+from server.connection import RECEIVED_AT
 from server.limits import closes_after, drain
 
 log = logging.getLogger("dstack.server")
 
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 
+#: Bytes of a body read between two checks of its deadline while it arrives.
+CHECK_EVERY_BYTES = 1 << 20
+
+
+class _TooLate(Exception):
+    """Raised out of a body's reading: `error` is the refusal it is answered with."""
+
+    def __init__(self, error: DStackError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
 
 class EarlyRefusal:
-    """ASGI middleware: `refuse_early(model)` before the body of `POST .../infer` is read;
-    `count(model, reason)` counts each refusal answered here (the failure counter the
-    infer route feeds, so that stats and metrics count them as any refusal)."""
+    """ASGI middleware: `refuse_early(model)` before the body of `POST .../infer` is read,
+    `refuse_early(model, since_s)` while it arrives; `count(model, reason)` counts each
+    refusal answered here (the failure counter the infer route feeds, so that stats and
+    metrics count them as any refusal)."""
 
-    def __init__(self, app: ASGIApp, *, refuse_early: Callable[[str], None],
+    def __init__(self, app: ASGIApp, *, refuse_early: Callable[..., None],
                  count: Callable[[str, str], None], version: str,
                  drain_bytes: int = 0) -> None:
         self.app = app
@@ -60,12 +80,44 @@ class EarlyRefusal:
                 except ModelNotFound:
                     pass  # the route answers it (404), as without this middleware
                 except DStackError as e:
-                    self.count(model, e.reason)
-                    if e.status_code >= 500 and not e.logged:  # as the app's handler does
-                        log.warning("%s: %s", type(e).__name__, e.message)
-                    await _answer(scope, receive, send, e, self.drain_bytes)
+                    await self._refuse(scope, receive, send, model, e)
+                    return
+                else:
+                    try:
+                        await self.app(scope, self._watched(scope, receive, model), send)
+                    except _TooLate as late:
+                        await self._refuse(scope, receive, send, model, late.error)
                     return
         await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, model: str,
+                      e: DStackError) -> None:
+        self.count(model, e.reason)
+        if e.status_code >= 500 and not e.logged:  # as the app's handler does
+            log.warning("%s: %s", type(e).__name__, e.message)
+        await _answer(scope, receive, send, e, self.drain_bytes)
+
+    def _watched(self, scope: Scope, receive: Receive, model: str) -> Receive:
+        """`receive`, asking `refuse_early(model, since_s)` each time another
+        CHECK_EVERY_BYTES of the body have come while more is to come; its refusal is
+        raised as _TooLate, out of the body's reading (nothing has been answered yet)."""
+        received = scope.get(RECEIVED_AT) or time.monotonic()
+        unchecked = 0
+
+        async def watched() -> Message:
+            nonlocal unchecked
+            msg = await receive()
+            if msg.get("more_body", False):
+                unchecked += len(msg.get("body", b""))
+                if unchecked >= CHECK_EVERY_BYTES:
+                    unchecked = 0
+                    try:
+                        self.refuse_early(model, time.monotonic() - received)
+                    except DStackError as e:
+                        raise _TooLate(e) from None
+            return msg
+
+        return watched
 
 
 async def _answer(scope: Scope, receive: Receive, send: Send, e: DStackError,

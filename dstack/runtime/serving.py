@@ -457,15 +457,16 @@ class Runtime:
         err.logged = True  # once per restart, when it ends (`_restart_ended`)
         raise err
 
-    def refuse_early(self, model: str) -> None:
-        """Raise what a one-item request for `model` arriving now would be refused with
-        (`check_admission`'s 503s; the dispatch core's 429 when even one item would be
-        refused: queue full, unplanned, work ahead), counted as such a refusal. The server
-        asks this before reading a request's body (`server.early`): under overload a
-        refusal then costs no body. Returns when the request may go on (it is admitted, or
-        refused on its real size, by `infer`)."""
+    def refuse_early(self, model: str, since_s: float = 0.0) -> None:
+        """Raise what a one-item request for `model`, received `since_s` ago, would be
+        refused with now (`check_admission`'s 503s; the dispatch core's 429 when even one
+        item would be refused: queue full, unplanned, work ahead, its deadline gone by),
+        counted as such a refusal. The server asks this before reading a request's body
+        (`server.early`), and again while a big body arrives: under overload a refusal then
+        costs no body. Returns when the request may go on (it is admitted, or refused on
+        its real size, by `infer`)."""
         self.check_admission(model)
-        self.check_batch(model, 1)
+        self.check_batch(model, 1, since_s)
 
     def check_batch(self, model: str, n: int, since_s: float = 0.0,
                     ready_s: float = 0.0) -> None:

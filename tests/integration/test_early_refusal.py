@@ -32,17 +32,22 @@ class RefusingBackend(FakeBackend):
         self.refusal: DStackError | None = None
         self.asked: list[str] = []
         self.since: list[float] = []  # each request's since_received_s
+        self.late: DStackError | None = None  # raised when asked again while a body arrives
+        self.asked_since: list[float] = []
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray],
                     since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         self.since.append(since_received_s)
         return await super().infer(model, inputs)
 
-    def refuse_early(self, model: str) -> None:
+    def refuse_early(self, model: str, since_s: float = 0.0) -> None:
         self.spec(model)  # ModelNotFound, as the runtime's
         self.asked.append(model)
+        self.asked_since.append(since_s)
         if self.refusal is not None:
             raise self.refusal
+        if self.late is not None and since_s > 0:
+            raise self.late
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +114,34 @@ def test_a_refused_request_is_answered_before_its_body_and_the_connection_is_kep
             assert json.loads(body)["outputs"][0]["data"] == [2, 4, 6]
     finally:
         backend.refusal = None
+
+
+def test_a_request_whose_deadline_goes_by_while_its_body_arrives_is_refused_then(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """Refused once 1 MiB more of its body has come and the backend says it is too late;
+    the rest of the body is dropped and the connection serves the next request."""
+    addr, backend = served
+    backend.late = refusal_error(RefusalReason.WORK_AHEAD, "model double: this request "
+                                 "would finish 80.0 ms after arrival, over its SLO of 60 ms")
+    backend.since.clear()
+    backend.asked_since.clear()
+    length = 2_000_000
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(_head(length) + b"0" * 1_500_000)  # the rest is held back
+            status, headers, body = _response(s)
+            assert status == 429
+            assert json.loads(body) == {"error": backend.late.message, "reason": "work_ahead"}
+            assert headers.get("connection") != "close"
+            assert backend.asked_since[0] == 0.0 and backend.asked_since[1] > 0
+            backend.late = None
+            s.sendall(b"0" * (length - 1_500_000))  # dropped
+            s.sendall(_head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            assert status == 200, body
+        assert len(backend.since) == 1  # only the second request reached the backend
+    finally:
+        backend.late = None
 
 
 def test_a_client_that_sends_its_body_first_reads_the_refusal_and_it_is_counted(
