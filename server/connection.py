@@ -38,6 +38,7 @@ class ConnectionLimits:
     body_timeout_s: float
     max_connections: int
     retry_after_s: int = 1
+    drop_bytes_per_s: float = 200e6  # 0: refused bodies are dropped as fast as they come
 
 
 def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
@@ -62,6 +63,12 @@ def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
     return int(soft)
 
 
+#: A body of this many bytes declared or more, refused before its end, is read and dropped
+#: at the pace `ConnectionLimits.drop_bytes_per_s` (all connections together): a storm of
+#: refused uploads then cannot take the cores the workers need for the requests the server
+#: did take.
+DROP_AFTER_BYTES = 4 << 20
+
 #: The scope key of when the server's parser met a request's first byte (time.monotonic()):
 #: the request's deadline counts from there, the loop's delay in starting its handler
 #: (under load, tens of ms) included.
@@ -85,13 +92,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # goes last, a kept-alive connection moves last when its next request starts. What
     # `connection_made` closes at the cap. (One per `with_limits` class, i.e. per server.)
     _waiting: ClassVar[OrderedDict[LimitedHttpToolsProtocol, None]]
+    _drop_free_at: ClassVar[float] = 0.0  # when the drop pace allows the next byte (loop time)
     _last_cap_warning: ClassVar[float] = 0.0
     _evicted: ClassVar[int] = 0  # since the last warning (every server in the process)
     _refused: ClassVar[int] = 0
 
     @classmethod
     def with_limits(cls, limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
-        return type(cls.__name__, (cls,), {"limits": limits, "_waiting": OrderedDict()})
+        return type(cls.__name__, (cls,), {"limits": limits, "_waiting": OrderedDict(),
+                                           "_drop_free_at": 0.0})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -100,6 +109,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_header = False  # from a request's first byte to the end of its header
         self._last_body_at = 0.0
         self._waiting_since = 0.0
+        self._big = False  # the body being read declared DROP_AFTER_BYTES or more
 
     # -- connection
 
@@ -146,8 +156,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self in self._waiting:  # idle until now: its header's wait starts now
                 self._wait_for_header()
 
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if (self._big and self._reading_body and cycle is not None and cycle.response_complete
+                and self.limits.drop_bytes_per_s > 0):
+            self._pace_drop(len(data))  # answered already: the rest of the body is dropped
+        super().data_received(data)
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        length = next((v for k, v in self.scope["headers"] if k == b"content-length"), b"")
+        self._big = length.isdigit() and int(length) >= DROP_AFTER_BYTES
         self._in_header = False
         self._waiting.pop(self, None)
         self._reading_body = True
@@ -163,6 +182,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_message_complete()
         self._wait_if_idle()
+
+    # -- dropped bodies
+
+    def _pace_drop(self, n: int) -> None:
+        now = self.loop.time()
+        cls = type(self)
+        free_at = max(now, cls._drop_free_at) + n / self.limits.drop_bytes_per_s
+        cls._drop_free_at = free_at
+        if free_at - now > 0.002:
+            self.flow.pause_reading()  # the body timeout counts this as the server's delay
+            self.loop.call_later(free_at - now, self._resume_drop)
+
+    def _resume_drop(self) -> None:
+        if not self.transport.is_closing():
+            self._last_body_at = self.loop.time()
+            self.flow.resume_reading()
 
     # -- the connection cap
 

@@ -97,7 +97,8 @@ def server_config(app: FastAPI, cfg: ServerConfig | None = None, *,
                   log_level: str | None = None) -> uvicorn.Config:
     """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files."""
     cfg = cfg or ServerConfig()
-    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
+    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
+                              drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
     return uvicorn.Config(
         app,
         http=LimitedHttpToolsProtocol.with_limits(limits),

@@ -64,6 +64,11 @@ class ServerConfig(_Strict):
     every connection is inside a request, the new one is answered 503 and closed at once.
     The server raises its own open-files soft limit to this + 256 at start-up (up to the
     hard limit)."""
+    dropped_body_bytes_per_s: Annotated[float, Field(ge=0)] = 200e6
+    """The rest of a big body (4 MiB or more declared) that the server has already refused
+    is read and dropped at most this fast, all connections together (0: as fast as it
+    comes). The refused clients' uploads then take longer, and cannot take the cores that
+    the requests the server did take need."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still
     arriving are refused at once with 503); what is still running after it is cancelled."""

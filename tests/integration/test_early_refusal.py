@@ -58,7 +58,8 @@ def served() -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
 
     cfg = parse_config({"models": [{"name": "double"}],
                         "server": {"max_body_bytes": 4 * BODY, "body_budget_bytes": 8 * BODY,
-                                   "header_timeout_s": 5, "body_timeout_s": 5}})
+                                   "header_timeout_s": 5, "body_timeout_s": 5,
+                                   "dropped_body_bytes_per_s": 2_000_000}})
     backend = RefusingBackend()
     server = uvicorn.Server(server_config(build_app(cfg, backend, start_runtime=False),
                                           cfg.server, log_level="critical"))
@@ -142,6 +143,32 @@ def test_a_request_whose_deadline_goes_by_while_its_body_arrives_is_refused_then
         assert len(backend.since) == 1  # only the second request reached the backend
     finally:
         backend.late = None
+
+
+def test_the_rest_of_a_refused_big_body_is_read_no_faster_than_the_drop_pace(
+        served: tuple[tuple[str, int], RefusingBackend], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2 MB refused before its body (big: over DROP_AFTER_BYTES, here 1 MB), the drop pace
+    2 MB/s: the next request on the connection waits for the 2 MB to be read, about 1 s."""
+    from server import connection
+
+    monkeypatch.setattr(connection, "DROP_AFTER_BYTES", 1_000_000)
+    addr, backend = served
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: busy")
+    length = 2_000_000
+    try:
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(_head(length))
+            status, _, _ = _response(s)
+            assert status == 429  # answered at once, before the body
+            backend.refusal = None
+            t0 = time.monotonic()
+            s.sendall(b"0" * length + _head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            assert status == 200, body
+            assert time.monotonic() - t0 > 0.5
+    finally:
+        backend.refusal = None
 
 
 def test_a_client_that_sends_its_body_first_reads_the_refusal_and_it_is_counted(
