@@ -304,12 +304,15 @@ async def _side_load(srv: Server, rates: dict[str, float], slos: dict[str, float
 
 
 def big_bodies(args: argparse.Namespace) -> Row:
-    """`--big-bodies` concurrent JSON bodies of `--big-body-mb` beside 0.5x load. The bodies
-    are sent by a spawned child (cl.BigBodySender): this process only sends and times the
-    other traffic, so its p99 (per model, against the same load without the bodies, measured
-    just before by this same process) holds no delay of its own from the bodies."""
+    """`--storms` storms, one after another, of `--big-bodies` concurrent JSON bodies of
+    `--big-body-mb` each, beside `--side-load` times the mix's rate. The bodies are sent by
+    a spawned child (cl.BigBodySender): this process only sends and times the other
+    traffic. Its p99 per model counts the answers to requests under way during a storm
+    (from its first body sent to its last answered), against the same load without the
+    bodies, measured just before by this same process: a server that ends a storm sooner
+    is not credited with the quiet time after it."""
     base, slos = mix("dstack")
-    rates = {m: r * 0.5 for m, r in base.items()}
+    rates = {m: r * args.side_load for m, r in base.items()}
     with serving(config("dstack", "bodies", top=args.top), OUT / "bodies.log") as srv, \
             cl.BigBodySender(f"{srv.host}/v2/models/mobilenet_v3_small/infer",
                              args.big_bodies, args.big_body_mb, nice=LOAD_NICE) as sender:
@@ -318,23 +321,43 @@ def big_bodies(args: argparse.Namespace) -> Row:
             srv.host, cl.open_loop(srv.host, rates, slos, args.fault_seconds, seed=4)))
         before = cl.rss_mb(srv.pid)
         cpu0 = cl.cpu_s(srv.pid)
-        (res, big), health = run(_with_floor(srv.host, _side_load(
-            srv, rates, slos, args.fault_seconds, sender.send)))
+        spans: list[tuple[float, float]] = []
+        bigs: list[cl.BigBodiesResult] = []
+
+        async def storms() -> tuple[dict[str, cl.Tally], None]:
+            stop = asyncio.Event()
+            load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, 3600, seed=5,
+                                                    stop=stop))
+            for _ in range(args.storms):
+                await asyncio.sleep(0.5)
+                t0 = time.perf_counter()
+                bigs.append(await sender.send())
+                spans.append((t0, time.perf_counter()))
+            await asyncio.sleep(0.5)
+            stop.set()
+            return await load, None
+
+        (res, _), health = run(_with_floor(srv.host, storms()))
         cpu = cl.cpu_s(srv.pid) - cpu0
         time.sleep(2)
         t = cl.total(res)
         after = cl.rss_mb(srv.pid)
-        p99 = {m: (round(cl.pct(quiet[m].latencies_ms, 99), 1),
-                   round(cl.pct(res[m].latencies_ms, 99), 1)) for m in res}
-        return row(f"{args.big_bodies} x {sender.body_bytes / 1e6:.0f} MB JSON bodies", t,
-                   srv.pid, big_body_statuses=big.statuses,
-                   big_body_answer_s={k: (round(a, 2), round(b, 2))
-                                      for k, (a, b) in big.seconds_by_status.items()},
-                   sender_cpu_s=round(big.cpu_s, 1), server_cpu_s=round(cpu, 1),
-                   other_p99_ms=cl.pct(t.latencies_ms, 99),
-                   unloaded_p99_ms=cl.pct(cl.total(quiet).latencies_ms, 99),
-                   other_max_ms=max(t.latencies_ms, default=float("nan")),
-                   p99_unloaded_loaded_ms_by_model=p99,
+        during = {m: res[m].latencies_within(spans) for m in res}
+        p99 = {m: (round(cl.pct(quiet[m].latencies_ms, 99), 1), round(cl.pct(during[m], 99), 1))
+               for m in res}
+        statuses: Counter[str] = Counter()
+        for b in bigs:
+            statuses.update(b.statuses)
+        slowest = {k: round(max(b.seconds_by_status[k][1] for b in bigs
+                                if k in b.seconds_by_status), 2) for k in statuses}
+        return row(f"{args.storms} x {args.big_bodies} x {sender.body_bytes / 1e6:.0f} MB "
+                   "JSON bodies", t, srv.pid, big_body_statuses=dict(sorted(statuses.items())),
+                   big_body_slowest_answer_s=slowest,
+                   storm_s=[round(b - a, 2) for a, b in spans],
+                   sender_cpu_s=round(sum(b.cpu_s for b in bigs), 1),
+                   server_cpu_s=round(cpu, 1),
+                   answers_during_storms_by_model={m: len(v) for m, v in during.items()},
+                   p99_unloaded_storm_ms_by_model=p99,
                    p99_ratio_by_model={m: round(b / a, 2) for m, (a, b) in p99.items()},
                    health_p99_unloaded_loaded_ms=(round(cl.pct(quiet_health, 99), 1),
                                                   round(cl.pct(health, 99), 1)),
@@ -577,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-seconds", type=float, default=12.0)
     p.add_argument("--big-bodies", type=int, default=20)
     p.add_argument("--big-body-mb", type=float, default=20.0)
+    p.add_argument("--storms", type=int, default=5,
+                   help="big-body storms, one after another (each --big-bodies at once)")
+    p.add_argument("--side-load", type=float, default=4.0,
+                   help="the other traffic beside the big bodies, as a multiple of the "
+                        "mix's rate_rps (4: half the 8x capacity of this machine)")
     p.add_argument("--slowloris", type=int, default=1000)
     p.add_argument("--stalled", type=int, default=50)
     p.add_argument("--fuzz", type=int, default=100_000)

@@ -38,6 +38,7 @@ class Tally:
     hung: int = 0
     conn: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # answered 200
+    answered_at: list[float] = field(default_factory=list)  # their perf_counter() at the answer
     refusal_ms: list[float] = field(default_factory=list)  # time to a 429 / 503
     refusal_ms_by_reason: dict[str, list[float]] = field(default_factory=dict)
     non_json_errors: int = 0  # a 4xx / 5xx whose body is not {"error": ...}
@@ -49,6 +50,7 @@ class Tally:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.refused.update(other.refused)
         self.latencies_ms += other.latencies_ms
+        self.answered_at += other.answered_at
         self.refusal_ms += other.refusal_ms
         for k, v in other.refusal_ms_by_reason.items():
             self.refusal_ms_by_reason.setdefault(k, []).extend(v)
@@ -58,10 +60,18 @@ class Tally:
     def accepted(self) -> int:
         return self.ok + self.late
 
-    def record(self, status: int, body: bytes, headers: Any, ms: float, slo_ms: float) -> None:
+    def latencies_within(self, spans: list[tuple[float, float]]) -> list[float]:
+        """Latencies (ms) of the answers whose request was under way during any of `spans`
+        (perf_counter() intervals)."""
+        return [ms for ms, at in zip(self.latencies_ms, self.answered_at, strict=True)
+                if any(at - ms / 1000 < b and at > a for a, b in spans)]
+
+    def record(self, status: int, body: bytes, headers: Any, ms: float, slo_ms: float,
+               at: float = float("nan")) -> None:
         self.sent += 1
         if status == 200:
             self.latencies_ms.append(ms)
+            self.answered_at.append(at)
             if ms <= slo_ms:
                 self.ok += 1
             else:
@@ -151,7 +161,8 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                     t.sent += 1
                     t.conn += 1
                     return
-                t.record(status, data, rh, (time.perf_counter() - t0) * 1000, slos_ms[m])
+                t1 = time.perf_counter()
+                t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
 
         arrivals: list[tuple[float, str]] = []
         for m, rate in rates.items():
@@ -232,6 +243,8 @@ class BigBodySender:
         return self
 
     async def send(self) -> BigBodiesResult:
+        """One storm: the `n` POSTs at once; returns when all are answered (may be
+        awaited again for another)."""
         self._conn.send("go")
         return await asyncio.to_thread(self._conn.recv)  # type: ignore[no-any-return]
 
@@ -248,16 +261,20 @@ def _big_body_child(url: str, n: int, mb: float, hang_s: float, nice: int,
     os.nice(nice)
     body = big_json(mb)
     conn.send(len(body))
-    if conn.recv() != "go":
-        return
-    cpu0 = time.process_time()
-    answers = _post_all(url, body, n, hang_s)
-    by: dict[str, list[float]] = {}
-    for status, s in answers:
-        by.setdefault(status, []).append(s)
-    conn.send(BigBodiesResult({k: len(v) for k, v in sorted(by.items())},
-                              {k: (min(v), max(v)) for k, v in sorted(by.items())},
-                              time.process_time() - cpu0))
+    while True:
+        try:
+            if conn.recv() != "go":
+                return
+        except EOFError:  # the parent is done with us
+            return
+        cpu0 = time.process_time()
+        answers = _post_all(url, body, n, hang_s)
+        by: dict[str, list[float]] = {}
+        for status, s in answers:
+            by.setdefault(status, []).append(s)
+        conn.send(BigBodiesResult({k: len(v) for k, v in sorted(by.items())},
+                                  {k: (min(v), max(v)) for k, v in sorted(by.items())},
+                                  time.process_time() - cpu0))
 
 
 def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, float]]:
