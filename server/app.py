@@ -200,19 +200,17 @@ def create_app(
         request can meet its SLO, its parse taking yet what the rest takes at this
         piece's pace: a body that would be parsed too late is refused unparsed."""
         steps = codec.decode_data(head)
-        busy = 0.0  # seconds spent parsing, not counting other requests' turns
-        asked = check_batch is None
+        first = check_batch is not None
         while True:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the parser's time only, not other requests' turns
             try:
                 done = next(steps)
             except StopIteration as end:
                 return end.value  # type: ignore[no-any-return]
-            busy += time.perf_counter() - t0
-            if not asked and done > 0:
-                asked = True
-                check_batch(model, head.batch_size, time.monotonic() - received,
-                            busy * (head.json_bytes - done) / done)
+            if first:
+                first = False
+                rest_s = (time.perf_counter() - t0) * (head.json_bytes - done) / done
+                check_batch(model, head.batch_size, time.monotonic() - received, rest_s)
             await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ server

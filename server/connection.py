@@ -38,7 +38,7 @@ class ConnectionLimits:
     body_timeout_s: float
     max_connections: int
     retry_after_s: int = 1
-    drop_bytes_per_s: float = 200e6  # 0: refused bodies are dropped as fast as they come
+    drop_bytes_per_s: float = 0.0  # ServerConfig.dropped_body_bytes_per_s; 0: no pace
 
 
 def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:

@@ -26,7 +26,6 @@ being copied, held and parsed only to be refused.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -37,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
 from server.connection import RECEIVED_AT
-from server.limits import closes_after, drain
+from server.limits import refuse
 
 log = logging.getLogger("dstack.server")
 
@@ -122,17 +121,7 @@ class EarlyRefusal:
 
 async def _answer(scope: Scope, receive: Receive, send: Send, e: DStackError,
                   drain_bytes: int) -> None:
-    doc: dict[str, str] = {"error": e.message}
-    if e.rule is not None:
-        doc["reason"] = e.rule
-    body = json.dumps(doc).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if e.retry_after_s is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode()))
-    await send({"type": "http.response.start", "status": e.status_code, "headers": headers})
-    closing = closes_after(scope)
-    await send({"type": "http.response.body", "body": body, "more_body": closing})
-    if closing:
-        await drain(scope, receive, drain_bytes)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    headers = [] if e.retry_after_s is None else [
+        (b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())]
+    await refuse(scope, receive, send, e.status_code, e.message, headers=headers,
+                 drain_bytes=drain_bytes, keep=True, reason=e.rule)

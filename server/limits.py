@@ -51,17 +51,19 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
                  headers: Iterable[tuple[bytes, bytes]] = (), drain_bytes: int = 0,
-                 keep: bool = False) -> None:
-    """Answer `{"error": message}` with `status` and close the connection, after reading and
-    dropping up to `drain_bytes` of the request body the client is still sending (a client
-    that stalls meanwhile is cut by the connection's body timeout).
+                 keep: bool = False, reason: str | None = None) -> None:
+    """Answer `{"error": message}` (and `"reason"`, when given) with `status` and close the
+    connection, after reading and dropping up to `drain_bytes` of the request body the
+    client is still sending (a client that stalls meanwhile is cut by the connection's
+    body timeout).
 
-    `keep` (a body of a declared length, within the limit): unless the client asked to
-    close, the connection is kept and the answer is complete at once; uvicorn's protocol
-    then drops the rest of the body as it comes (`on_body` ignores bytes after the answer),
-    with no copy of it and no wake-up of this task per piece, and the client's next request
-    reuses the connection (`server.early` refuses the same way)."""
-    body = json.dumps({"error": message}).encode()
+    `keep` (a body of a bounded length): unless the client asked to close, the connection
+    is kept and the answer is complete at once; uvicorn's protocol then drops the rest of
+    the body as it comes (`on_body` ignores bytes after the answer), with no copy of it and
+    no wake-up of this task per piece, and the client's next request reuses the
+    connection."""
+    doc = {"error": message} if reason is None else {"error": message, "reason": reason}
+    body = json.dumps(doc).encode()
     head = [(b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()), *headers]
     if keep and not closes_after(scope):
