@@ -45,6 +45,13 @@ def is_open(path: str, open_paths: Iterable[str]) -> bool:
     return any(path == p or (p.endswith("/") and path.startswith(p)) for p in open_paths)
 
 
+def has_token(headers: Iterable[tuple[bytes, bytes]], token: bytes) -> bool:
+    """Whether `headers` hold `Authorization: Bearer <token>`. The scheme is
+    case-insensitive (RFC 9110); the token is compared in constant time."""
+    sent = next((v for k, v in headers if k == b"authorization"), b"")
+    return sent[:7].lower() == b"bearer " and hmac.compare_digest(sent[7:].strip(), token)
+
+
 class BearerAuth:
     """Lets a request through when it sends `Authorization: Bearer <token>`."""
 
@@ -59,10 +66,7 @@ class BearerAuth:
         if scope["type"] != "http" or is_open(scope["path"], self.open_paths):
             await self.app(scope, receive, send)
             return
-        sent = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        # The scheme is case-insensitive (RFC 9110); the token is compared in constant time.
-        if sent[:7].lower() == b"bearer " and hmac.compare_digest(
-                sent[7:].strip(), self.token):
+        if has_token(scope["headers"], self.token):
             await self.app(scope, receive, send)
             return
         await refuse(scope, receive, send, 401,

@@ -14,6 +14,16 @@ requests): the one that has waited longest is closed to make room. Slowloris soc
 cannot lock normal clients out for a whole header timeout. Only when every open connection
 is inside a request (its body arriving, or its answer not yet sent) is the newcomer
 refused with 503.
+
+Refused bodies are dropped in the kernel. An infer request that `refuse_at_header`
+(`server.early.HeaderRefusal`) refuses is answered from `on_headers_complete`, before any
+task or app runs; and a request answered before its body has all come (a refusal while
+the body arrives, a 503 for the body budget) is complete once its answer is. The rest of
+such a body, of a declared length, is then read with `recv(MSG_TRUNC)` from a duplicate of
+the socket, which discards it without copying it out of the kernel, instead of passing
+through the event loop, the HTTP parser and two copies per piece; the parser then starts
+afresh for the connection's next request. (Over TLS the bytes must be decrypted: they go
+through the parser as before.)
 """
 
 from __future__ import annotations
@@ -21,13 +31,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mmap
+import os
+import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger("dstack.server")
 
@@ -74,6 +89,22 @@ DROP_AFTER_BYTES = 4 << 20
 #: (under load, tens of ms) included.
 RECEIVED_AT = "dstack.received_at"
 
+#: The scope key set when `refuse_at_header` was asked about a request and left it to the
+#: app: the app's own check from the header (`server.early.EarlyRefusal`) is not asked again.
+ASKED_AT_HEADER = "dstack.asked_at_header"
+
+#: What `recv(MSG_TRUNC)` is given to read into: the kernel writes none of it (TCP drops
+#: the bytes), so its pages are never touched and take no memory.
+_SINK = memoryview(mmap.mmap(-1, 4 << 20))
+
+#: The most a paced drop reads at once (so that the pace holds to about its own grain).
+_PACED_READ_BYTES = 256 << 10
+
+#: `refuse_at_header(path, headers, content_length)`: the status, headers and body to
+#: answer a request with from its header alone, or None to hand it to the app.
+HeaderCheck = Callable[[str, list[tuple[bytes, bytes]], int],
+                       tuple[int, list[tuple[bytes, bytes]], bytes] | None]
+
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
     """A whole HTTP/1.1 response `{"error": message}` that closes the connection."""
@@ -88,6 +119,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `limits` (use `with_limits` to set them)."""
 
     limits: ClassVar[ConnectionLimits]
+    refuse_at_header: ClassVar[HeaderCheck | None] = None
     # The server's connections that wait for a request header, oldest first: a new one
     # goes last, a kept-alive connection moves last when its next request starts. What
     # `connection_made` closes at the cap. (One per `with_limits` class, i.e. per server.)
@@ -98,9 +130,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     _refused: ClassVar[int] = 0
 
     @classmethod
-    def with_limits(cls, limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
+    def with_limits(cls, limits: ConnectionLimits, refuse_at_header: HeaderCheck | None = None,
+                    ) -> type[LimitedHttpToolsProtocol]:
         return type(cls.__name__, (cls,), {"limits": limits, "_waiting": OrderedDict(),
-                                           "_drop_free_at": 0.0})
+                                           "_drop_free_at": 0.0,
+                                           "refuse_at_header": staticmethod(refuse_at_header)
+                                           if refuse_at_header else None})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -110,6 +145,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._last_body_at = 0.0
         self._waiting_since = 0.0
         self._big = False  # the body being read declared DROP_AFTER_BYTES or more
+        self._body_left = -1  # of the body being read, bytes declared and not yet seen
+        self._answered_here = False  # the request being read was answered from its header
+        self._close_after = False  # ... and its client asked to close after the answer
+        self._sink: socket.socket | None = None  # while the rest of a body is dropped
+        self._sink_watched = False  # the loop calls _drop_some when the sink has bytes
 
     # -- connection
 
@@ -123,10 +163,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_sink()
         self._waiting.pop(self, None)
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
+        if (self._reading_body and self._body_left > 0 and self._sink_ok()
+                and not self.transport.is_closing() and self._drop_in_kernel()):
+            # answered before its body has all come: the rest is dropped in the kernel
+            self.server_state.total_requests += 1  # as uvicorn counts it
+            return
         super().on_response_complete()
         self._wait_if_idle()
 
@@ -158,46 +204,178 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         cycle = self.cycle
-        if (self._big and self._reading_body and cycle is not None and cycle.response_complete
-                and self.limits.drop_bytes_per_s > 0):
+        if (self._big and self._reading_body and self.limits.drop_bytes_per_s > 0
+                and (self._answered_here or (cycle is not None and cycle.response_complete))):
             self._pace_drop(len(data))  # answered already: the rest of the body is dropped
         super().data_received(data)
+        if (self._answered_here and self._body_left > 0 and self._sink_ok()
+                and not self.transport.is_closing()):
+            self._drop_in_kernel()  # answered from its header, and more of its body to come
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        length = next((v for k, v in self.scope["headers"] if k == b"content-length"), b"")
-        self._big = length.isdigit() and int(length) >= DROP_AFTER_BYTES
+        length = next((v for k, v in self.headers if k == b"content-length"), b"")
+        self._body_left = int(length) if length.isdigit() else -1
+        self._big = self._body_left >= DROP_AFTER_BYTES
         self._in_header = False
         self._waiting.pop(self, None)
         self._reading_body = True
         self._last_body_at = self.loop.time()
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
+        if not self._answer_from_header():
+            super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
         self._last_body_at = self.loop.time()
-        super().on_body(body)
+        self._body_left -= len(body)
+        if not self._answered_here:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._answered_here:
+            self._body_done()
+            return
         self._reading_body = False
         self._disarm()
         super().on_message_complete()
         self._wait_if_idle()
 
+    # -- answers from the header
+
+    def _answer_from_header(self) -> bool:
+        """Ask `refuse_at_header` about a POST with a declared length, alone on its
+        connection (no answer before it still to be sent) and not waiting for `100
+        Continue`; write its answer if it has one (True)."""
+        check = self.refuse_at_header
+        cycle = self.cycle
+        if (check is None or self._body_left < 0 or self.expect_100_continue or self.pipeline
+                or (cycle is not None and not cycle.response_complete)
+                or self.parser.get_method() != b"POST"):
+            return False
+        answer = check(httptools.parse_url(self.url).path.decode("ascii", "replace"),
+                       self.headers, self._body_left)
+        if answer is None:
+            self.scope[ASKED_AT_HEADER] = True  # type: ignore[literal-required]
+            return False
+        status, headers, body = answer
+        self._close_after = not self.parser.should_keep_alive()
+        head = [STATUS_LINE[status]]
+        for name, value in [*self.server_state.default_headers, *headers,
+                            (b"content-length", str(len(body)).encode())]:
+            head += [name, b": ", value, b"\r\n"]
+        if self._close_after:
+            head.append(b"connection: close\r\n")
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        self._answered_here = True
+        self.server_state.total_requests += 1
+        return True
+
+    def _body_done(self) -> None:
+        """The body of a request answered early has all been read (and dropped)."""
+        self._answered_here = False
+        self._reading_body = False
+        self._body_left = -1
+        self._disarm()
+        if self._close_after:
+            self._close_after = False
+            self.transport.close()
+            return
+        if self.timeout_keep_alive_task is None and not self.transport.is_closing():
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._wait_if_idle()
+
     # -- dropped bodies
 
-    def _pace_drop(self, n: int) -> None:
+    def _drop_wait(self, n: int) -> float:
+        """Seconds to wait before dropping more, `n` bytes of a big body having just been
+        dropped under the pace (0: go on)."""
+        if not self._big or self.limits.drop_bytes_per_s <= 0:
+            return 0.0
         now = self.loop.time()
         cls = type(self)
         free_at = max(now, cls._drop_free_at) + n / self.limits.drop_bytes_per_s
         cls._drop_free_at = free_at
-        if free_at - now > 0.002:
+        return free_at - now if free_at - now > 0.002 else 0.0
+
+    def _pace_drop(self, n: int) -> None:
+        wait = self._drop_wait(n)
+        if wait:
             self.flow.pause_reading()  # the body timeout counts this as the server's delay
-            self.loop.call_later(free_at - now, self._resume_drop)
+            self.loop.call_later(wait, self._resume_drop)
 
     def _resume_drop(self) -> None:
         if not self.transport.is_closing():
             self._last_body_at = self.loop.time()
             self.flow.resume_reading()
+
+    def _sink_ok(self) -> bool:
+        return self.scheme != "https" and self.transport.get_extra_info("socket") is not None
+
+    def _drop_in_kernel(self) -> bool:
+        """Stop the transport's reading and read the rest of the body (`_body_left`
+        bytes) from a duplicate of its socket with MSG_TRUNC: the kernel discards it. What
+        has already come is dropped at once; the loop watches for the rest. False (nothing
+        changed) when no file descriptor is left for the duplicate."""
+        try:
+            sink = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+        except OSError:
+            return False
+        sink.setblocking(False)
+        self._sink = sink
+        self.flow.pause_reading()
+        self._drop_some()
+        return True
+
+    def _drop_some(self) -> None:
+        """Drop what has come of the body, until it ends, the pace says wait, or the
+        socket has no more for now (then the loop calls this again when it has)."""
+        sink = self._sink
+        while sink is not None:
+            want = min(self._body_left, _PACED_READ_BYTES if self._big else len(_SINK))
+            try:
+                n = sink.recv_into(_SINK, want, socket.MSG_TRUNC)
+            except (BlockingIOError, InterruptedError):
+                self._watch_sink(True)
+                return
+            except OSError:
+                n = 0
+            if n == 0:  # the client closed, or its connection failed, mid-body
+                self._stop_sink()
+                self.transport.close()
+                return
+            self._body_left -= n
+            self._last_body_at = self.loop.time()
+            if self._body_left == 0:
+                self._stop_sink()
+                self.parser = httptools.HttpRequestParser(self)  # the next request afresh
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+                self.flow.resume_reading()
+                self._body_done()
+                return
+            wait = self._drop_wait(n)
+            if wait:
+                self._watch_sink(False)
+                self._last_body_at += wait  # our wait: the body timeout does not count it
+                self.loop.call_later(wait, self._resume_sink, sink)
+                return
+
+    def _resume_sink(self, sink: socket.socket) -> None:
+        if self._sink is sink:
+            self._drop_some()
+
+    def _watch_sink(self, on: bool) -> None:
+        if self._sink_watched != on and self._sink is not None:
+            self._sink_watched = on
+            if on:
+                self.loop.add_reader(self._sink.fileno(), self._drop_some)
+            else:
+                self.loop.remove_reader(self._sink.fileno())
+
+    def _stop_sink(self) -> None:
+        self._watch_sink(False)
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.close()
 
     # -- the connection cap
 
@@ -285,7 +463,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         timeout = self.limits.body_timeout_s
         idle = self.loop.time() - self._last_body_at
-        if idle < timeout or self.flow.read_paused:
+        if idle < timeout or (self.flow.read_paused and self._sink is None):
             # bytes came since it was armed, or the app (not the client) is behind
             self._arm(timeout - idle if idle < timeout else timeout, self._body_timed_out)
             return
@@ -295,11 +473,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answer `status` if the app has not started its answer, end the app's request
         (its receive() says disconnected, its sends are dropped) and close."""
         self._disarm()
+        self._stop_sink()
         self._reading_body = False
         cycle = self.cycle
         if self.transport.is_closing():
             return
-        if cycle is None or not cycle.response_started:
+        if not self._answered_here and (cycle is None or not cycle.response_started):
             self.transport.write(error_response(
                 status, message, {"retry-after": str(self.limits.retry_after_s)}
                 if status == 503 else None))

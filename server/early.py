@@ -22,10 +22,19 @@ since_s)`, since_s counted from the request's first byte): a request whose deadl
 gone by while its body was being received (60 MB takes longer to arrive than a 60 ms SLO)
 is refused then, the same way, and the rest of its body is dropped as it comes instead of
 being copied, held and parsed only to be refused.
+
+`HeaderRefusal` asks the same question from the connection itself
+(`server.connection.LimitedHttpToolsProtocol`), the moment a request's header has been
+parsed: a refusal is written there and then, with no task, no ASGI call and no app, and
+the body the client sends anyway is dropped in the kernel. Under overload, where most
+requests are refused, that is most of the server's work per request. What it does not
+answer (a chunked or pipelined request, one with `Expect: 100-continue`, one without the
+token) goes to the app, and this middleware asks there.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -35,7 +44,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
-from server.connection import RECEIVED_AT
+from server.connection import ASKED_AT_HEADER, RECEIVED_AT
 from server.limits import refuse
 
 log = logging.getLogger("dstack.server")
@@ -75,7 +84,8 @@ class EarlyRefusal:
             if m is not None and m.group(2) in (None, self.version):
                 model = m.group(1)
                 try:
-                    self.refuse_early(model)
+                    if not scope.get(ASKED_AT_HEADER):  # else asked by the connection already
+                        self.refuse_early(model)
                 except ModelNotFound:
                     pass  # the route answers it (404), as without this middleware
                 except DStackError as e:
@@ -91,10 +101,9 @@ class EarlyRefusal:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, model: str,
                       e: DStackError) -> None:
-        self.count(model, e.reason)
-        if e.status_code >= 500 and not e.logged:  # as the app's handler does
-            log.warning("%s: %s", type(e).__name__, e.message)
-        await _answer(scope, receive, send, e, self.drain_bytes)
+        _counted(self.count, model, e)
+        await refuse(scope, receive, send, e.status_code, e.message, headers=_retry_after(e),
+                     drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
 
     def _watched(self, scope: Scope, receive: Receive, model: str) -> Receive:
         """`receive`, asking `refuse_early(model, since_s)` each time another
@@ -119,9 +128,53 @@ class EarlyRefusal:
         return watched
 
 
-async def _answer(scope: Scope, receive: Receive, send: Send, e: DStackError,
-                  drain_bytes: int) -> None:
-    headers = [] if e.retry_after_s is None else [
+#: What `HeaderRefusal` answers: the status, the headers and the body.
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+class HeaderRefusal:
+    """`refuse_early(model)` for an infer request whose header has just been parsed, asked
+    by the connection (`LimitedHttpToolsProtocol.refuse_at_header`): the answer to write,
+    counted as EarlyRefusal counts it, or None to leave the request to the app (not an
+    infer route of this version, an unknown model, a body over `max_body_bytes`, no token
+    where `allowed` wants one, or nothing to refuse)."""
+
+    def __init__(self, *, refuse_early: Callable[[str], None],
+                 count: Callable[[str, str], None], version: str, max_body_bytes: int,
+                 allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None = None,
+                 ) -> None:
+        self.refuse_early = refuse_early
+        self.count = count
+        self.version = version
+        self.max_body_bytes = max_body_bytes
+        self.allowed = allowed
+
+    def __call__(self, path: str, headers: list[tuple[bytes, bytes]],
+                 length: int) -> Answer | None:
+        m = _INFER.match(path)
+        if (m is None or m.group(2) not in (None, self.version) or length > self.max_body_bytes
+                or (self.allowed is not None and not self.allowed(path, headers))):
+            return None
+        model = m.group(1)
+        try:
+            self.refuse_early(model)
+        except ModelNotFound:
+            return None  # the route answers it (404)
+        except DStackError as e:
+            _counted(self.count, model, e)
+            doc = {"error": e.message} if e.rule is None else {"error": e.message,
+                                                               "reason": e.rule}
+            return e.status_code, [(b"content-type", b"application/json"),
+                                   *_retry_after(e)], json.dumps(doc).encode()
+        return None
+
+
+def _counted(count: Callable[[str, str], None], model: str, e: DStackError) -> None:
+    count(model, e.reason)
+    if e.status_code >= 500 and not e.logged:  # as the app's handler does
+        log.warning("%s: %s", type(e).__name__, e.message)
+
+
+def _retry_after(e: DStackError) -> list[tuple[bytes, bytes]]:
+    return [] if e.retry_after_s is None else [
         (b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())]
-    await refuse(scope, receive, send, e.status_code, e.message, headers=headers,
-                 drain_bytes=drain_bytes, keep=True, reason=e.rule)

@@ -27,9 +27,9 @@ from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
 from dstack.common.pauses import freeze_startup_objects
 from server.app import MODEL_VERSION, create_app
-from server.auth import BearerAuth, load_token
+from server.auth import BearerAuth, has_token, is_open, load_token
 from server.connection import ConnectionLimits, LimitedHttpToolsProtocol, raise_fd_limit
-from server.early import EarlyRefusal
+from server.early import EarlyRefusal, HeaderRefusal
 from server.limits import BodyBudget, BodyLimits
 
 log = logging.getLogger("dstack.server")
@@ -70,6 +70,14 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
                            count=app.state.metrics.failures.add, version=MODEL_VERSION,
                            drain_bytes=s.max_body_bytes)
+        token = None if auth_token is None else auth_token.encode()
+        open_paths = tuple(s.auth_open_paths)
+        # asked by the connection itself (server_config), before any task or app runs
+        app.state.header_refusal = HeaderRefusal(
+            refuse_early=refuse_early, count=app.state.metrics.failures.add,
+            version=MODEL_VERSION, max_body_bytes=s.max_body_bytes,
+            allowed=None if token is None else lambda path, headers: (
+                is_open(path, open_paths) or has_token(headers, token)))
     if auth_token is not None:  # outermost: no body is read for a request without the token
         app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
                            drain_bytes=s.max_body_bytes)
@@ -95,13 +103,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 def server_config(app: FastAPI, cfg: ServerConfig | None = None, *,
                   log_level: str | None = None) -> uvicorn.Config:
-    """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files."""
+    """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files; its connections
+    answer refusals from the header with `app.state.header_refusal` (set by build_app)."""
     cfg = cfg or ServerConfig()
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
                               drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
     return uvicorn.Config(
         app,
-        http=LimitedHttpToolsProtocol.with_limits(limits),
+        http=LimitedHttpToolsProtocol.with_limits(
+            limits, getattr(app.state, "header_refusal", None)),
         log_level=log_level or cfg.log_level,
         access_log=False,  # one log line per request would cost more than decoding it
         timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]

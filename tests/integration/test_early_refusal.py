@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -50,8 +51,8 @@ class RefusingBackend(FakeBackend):
             raise self.late
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
+@contextmanager
+def _serving(auth_token: str | None = None) -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
     import uvicorn
 
     from server.main import bind, build_app, server_config
@@ -61,8 +62,8 @@ def served() -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
                                    "header_timeout_s": 5, "body_timeout_s": 5,
                                    "dropped_body_bytes_per_s": 2_000_000}})
     backend = RefusingBackend()
-    server = uvicorn.Server(server_config(build_app(cfg, backend, start_runtime=False),
-                                          cfg.server, log_level="critical"))
+    app = build_app(cfg, backend, auth_token=auth_token, start_runtime=False)
+    server = uvicorn.Server(server_config(app, cfg.server, log_level="critical"))
     sock = bind("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -74,6 +75,12 @@ def served() -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
     thread.join(10)
 
 
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
+    with _serving() as s:
+        yield s
+
+
 def _head(length: int) -> bytes:
     return (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
@@ -81,18 +88,29 @@ def _head(length: int) -> bytes:
 
 def _response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """One response read off a kept-alive connection (Content-Length framed)."""
+    return _responses(s, 1)[0]
+
+
+def _responses(s: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` responses read off a kept-alive connection, in order (pipelined answers
+    may come in one read)."""
+    out: list[tuple[int, dict[str, str], bytes]] = []
     buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = s.recv(65536)
-        assert chunk, f"connection closed after {buf!r}"
-        buf += chunk
-    head, rest = buf.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    headers = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
-    n = int(headers["content-length"])
-    while len(rest) < n:
-        rest += s.recv(65536)
-    return int(lines[0].split()[1]), headers, rest[:n]
+    while len(out) < count:
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            assert chunk, f"connection closed after {buf!r}"
+            buf += chunk
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        lines = head.decode().split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+        n = int(headers["content-length"])
+        while len(buf) < n:
+            buf += s.recv(65536)
+        out.append((int(lines[0].split()[1]), headers, buf[:n]))
+        buf = buf[n:]
+    assert buf == b"", f"more than {count} responses: {buf!r}"
+    return out
 
 
 def test_a_refused_request_is_answered_before_its_body_and_the_connection_is_kept(
@@ -247,3 +265,51 @@ def test_a_requests_deadline_counts_from_its_first_byte(
         status, _, body = _response(s)
     assert status == 200, body
     assert backend.since[-1] >= 0.3
+
+
+def test_a_body_refused_from_its_header_may_come_in_pieces_and_the_next_request_follows_it(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """The rest of a refused body is dropped as it comes, in as many pieces as the client
+    sends (here with pauses between them); a request sent in the same write as the end of
+    the body, and one pipelined right behind a whole refused request, are each answered,
+    in order, on the same connection."""
+    addr, backend = served
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: busy")
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(_head(3 * BODY) + b"0" * 1000)
+            assert _response(s)[0] == 429
+            backend.refusal = None
+            for _ in range(2):
+                s.sendall(b"0" * BODY)
+                time.sleep(0.05)
+            s.sendall(b"0" * (BODY - 1000) + _head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            assert status == 200, body
+            backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: busy")
+            s.sendall(_head(1000) + b"0" * 1000 + _head(len(VALID)) + VALID)
+            assert [r[0] for r in _responses(s, 2)] == [429, 429]  # both, in order
+            backend.refusal = None
+            s.sendall(_head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            assert status == 200, body
+    finally:
+        backend.refusal = None
+
+
+def test_with_a_token_a_request_without_it_gets_401_and_not_the_refusal() -> None:
+    """A refusal from the header says how busy a model is: a client without the token
+    reads the 401, and the backend is not asked about its request."""
+    with _serving(auth_token="sekrit") as (addr, backend):
+        backend.refusal = refusal_error(RefusalReason.QUEUE_FULL, "model double: full")
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(_head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            assert status == 401 and "queue" not in body.decode()
+            assert backend.asked == []
+            authed = _head(len(VALID)).replace(b"\r\n\r\n",
+                                               b"\r\nAuthorization: Bearer sekrit\r\n\r\n")
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(authed + VALID)
+            status, _, body = _response(s)
+            assert status == 429 and json.loads(body)["reason"] == "queue_full"
