@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire_bytes
+from bench.lean_http import LeanClient
 from bench.loads import one_item_body
 from bench.servers import get_json
 
@@ -116,12 +117,18 @@ def rss_mb(pid: int, key: str = "VmRSS:") -> float:
 
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used; NaN if it is gone."""
+    return sum(cpu_user_sys_s(pid))
+
+
+def cpu_user_sys_s(pid: int) -> tuple[float, float]:
+    """CPU seconds a process has used in user space and in the kernel; NaNs if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
     except (OSError, IndexError, ValueError):
-        return float("nan")
+        return float("nan"), float("nan")
 
 
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
@@ -129,41 +136,36 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                     max_inflight: int = 1024, stop: asyncio.Event | None = None,
                     fresh_connections: bool = False) -> dict[str, Tally]:
     """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (or until
-    `stop` is set); each request one item, binary. Latency from send to full answer.
+    `stop` is set); each request one item, binary, sent by `LeanClient` (cheap in this
+    process, which shares the server's cores). Latency from send to full answer.
     `fresh_connections`: each request on a new connection, closed after it (as from many
     clients), instead of kept-alive ones reused."""
-    import aiohttp
-
     rng = np.random.default_rng(seed)
     metas = {m: get_json(f"{host}/v2/models/{m}") for m in rates}
-    bodies = {m: one_item_body(metas[m]) for m in rates}
+    client = LeanClient(host, fresh=fresh_connections)
+    requests = {m: client.post(f"/v2/models/{m}/infer", *one_item_body(metas[m]))
+                for m in rates}
     out = {m: Tally() for m in rates}
     sem = asyncio.Semaphore(max_inflight)
-    conn = aiohttp.TCPConnector(limit=max_inflight, force_close=fresh_connections)
-    timeout = aiohttp.ClientTimeout(total=hang_s)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
 
-        async def one(m: str) -> None:
-            t = out[m]
-            async with sem:
-                t0 = time.perf_counter()
-                try:
-                    body, headers = bodies[m]
-                    async with http.post(f"{host}/v2/models/{m}/infer", data=body,
-                                         headers=headers) as r:
-                        data = await r.read()
-                        status, rh = r.status, r.headers
-                except TimeoutError:
-                    t.sent += 1
-                    t.hung += 1
-                    return
-                except aiohttp.ClientError:
-                    t.sent += 1
-                    t.conn += 1
-                    return
-                t1 = time.perf_counter()
-                t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
+    async def one(m: str) -> None:
+        t = out[m]
+        async with sem:
+            t0 = time.perf_counter()
+            try:
+                status, data, rh = await client.send(requests[m], hang_s)
+            except TimeoutError:
+                t.sent += 1
+                t.hung += 1
+                return
+            except OSError:  # ConnectionError among them
+                t.sent += 1
+                t.conn += 1
+                return
+            t1 = time.perf_counter()
+            t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
 
+    try:
         arrivals: list[tuple[float, str]] = []
         for m, rate in rates.items():
             if rate <= 0:
@@ -181,6 +183,8 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(m)))
         await asyncio.gather(*tasks)
+    finally:
+        client.close()
     return out
 
 

@@ -1,0 +1,65 @@
+"""The chaos benchmark's load client (`bench.lean_http`) against a real uvicorn with the
+server's protocol: answers parsed whole, refusals read with their headers, connections
+reused, a server that closes or does not answer reported as such."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from bench.lean_http import LeanClient
+from dstack.runtime.dispatch import RefusalReason
+from dstack.runtime.serving import refusal_error
+from tests.integration.test_early_refusal import VALID, _serving
+
+HEADERS = {"content-type": "application/json"}
+
+
+def test_answers_refusals_reuse_and_fresh_connections() -> None:
+    with _serving() as ((host, port), backend):
+        base = f"http://{host}:{port}"
+
+        async def go() -> None:
+            client = LeanClient(base)
+            req = client.post("/v2/models/double/infer", VALID, HEADERS)
+            status, body, _ = await client.send(req, 5)
+            assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2, 4, 6]
+            err = refusal_error(RefusalReason.QUEUE_FULL, "model double: full")
+            err.retry_after_s = 2
+            backend.refusal = err
+            try:
+                status, body, headers = await client.send(req, 5)
+            finally:
+                backend.refusal = None
+            assert status == 429 and json.loads(body)["reason"] == "queue_full"
+            assert headers["retry-after"] == "2"
+            assert len(client.idle) == 1  # both on one kept-alive connection
+            close = client.post("/v2/models/double/infer", VALID,
+                                {**HEADERS, "connection": "close"})
+            assert (await client.send(close, 5))[0] == 200
+            assert client.idle == []  # the server closed it: not reused
+            assert (await client.send(req, 5))[0] == 200  # a new one is opened
+            client.close()
+            fresh = LeanClient(base, fresh=True)
+            assert (await fresh.send(req, 5))[0] == 200
+            assert fresh.idle == []
+
+        asyncio.run(go())
+
+
+def test_a_request_not_answered_in_time_is_a_timeout() -> None:
+    with _serving() as ((host, port), _):
+
+        async def go() -> None:
+            client = LeanClient(f"http://{host}:{port}")
+            # a body declared longer than sent: the server waits for the rest
+            req = client.post("/v2/models/double/infer", VALID, HEADERS).replace(
+                f"content-length: {len(VALID)}".encode(),
+                f"content-length: {len(VALID) + 10}".encode())
+            with pytest.raises(TimeoutError):
+                await client.send(req, 0.3)
+            assert client.idle == []  # that connection is closed, not reused
+
+        asyncio.run(go())
