@@ -85,7 +85,13 @@ class LeanClient:
         """Send a request made by `post` and wait for its answer; TimeoutError after
         `timeout_s` (the connection is closed), ConnectionError when it fails."""
         loop = asyncio.get_running_loop()
-        conn = self.idle.pop() if self.idle else await self._connect(loop)
+        conn = None
+        while self.idle and conn is None:
+            conn = self.idle.pop()
+            if conn.lost:  # closed by the server while idle (its keep-alive timeout)
+                conn = None
+        if conn is None:
+            conn = await self._connect(loop)
         waiter: asyncio.Future[tuple[Answer, bool]] = loop.create_future()
         conn.waiter = waiter
         assert conn.transport is not None

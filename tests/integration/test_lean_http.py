@@ -63,3 +63,23 @@ def test_a_request_not_answered_in_time_is_a_timeout() -> None:
             assert client.idle == []  # that connection is closed, not reused
 
         asyncio.run(go())
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
+    """uvicorn closes a kept-alive connection idle for its keep-alive timeout: the next
+    request goes on a new connection, not into the closed one (where no answer comes)."""
+    with _serving() as ((host, port), _):
+
+        async def go() -> None:
+            client = LeanClient(f"http://{host}:{port}")
+            req = client.post("/v2/models/double/infer", VALID, HEADERS)
+            assert (await client.send(req, 5))[0] == 200
+            (idle,) = client.idle
+            assert idle.transport is not None
+            idle.transport.close()  # as the server's close would end it
+            await asyncio.sleep(0.05)
+            assert idle.lost
+            assert (await client.send(req, 2))[0] == 200
+            assert client.idle and client.idle[0] is not idle
+
+        asyncio.run(go())
