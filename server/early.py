@@ -27,9 +27,10 @@ being copied, held and parsed only to be refused.
 (`server.connection.LimitedHttpToolsProtocol`), the moment a request's header has been
 parsed: a refusal is written there and then, with no task, no ASGI call and no app, and
 the body the client sends anyway is dropped in the kernel. Under overload, where most
-requests are refused, that is most of the server's work per request. What it does not
-answer (a chunked or pipelined request, one with `Expect: 100-continue`, one without the
-token) goes to the app, and this middleware asks there.
+requests are refused, that is most of the server's work per request. The connection
+does not ask about a chunked or pipelined request or one with `Expect: 100-continue`:
+this middleware asks about those, as before. What the connection asked about and let
+through is not asked about again here.
 """
 
 from __future__ import annotations
