@@ -117,7 +117,7 @@ def _fmt(v: Any) -> str:
 #: wakes, as the server does, and times its answers when they come. The CPU it takes is the
 #: same at any niceness (the load is open-loop). At the workers' niceness (10, until
 #: 2026-11-24) it queued behind them for a share of a core at each wake-up: a GET that does
-#: nothing took 5.4-6.6 ms p99 at 1x, 2.2-5 ms at nice 0 (`docs/reliability.md`).
+#: nothing took 5.7-7.0 ms p99 at 2x, 2.2-3.8 ms at nice 0 (`docs/reliability.md`).
 LOAD_NICE = 0
 
 #: How much nicer the hostile big-body sender runs: as nice as the workers. It is load the
@@ -381,9 +381,9 @@ def big_bodies(args: argparse.Namespace) -> Row:
 def refusal_cost(args: argparse.Namespace) -> Row:
     """What a refusal from the header costs the server: the dstack mix with SLOs of 1 ms
     (no plan meets them: every request is refused from its header, `unplanned`, and no
-    worker runs), `--refusal-requests` one-item
-    requests of resnet18 (a 600 KB binary body each) sent back to back on 8 kept-alive
-    connections. The server's CPU per request, user and kernel, from /proc."""
+    worker runs), `--refusal-requests` one-item requests of resnet18 (a 600 KB binary
+    body each) sent back to back on 8 kept-alive connections. The server's CPU per
+    request, user and kernel, from /proc."""
     cfg = config("dstack", "refusal-cost")
     spec = yaml.safe_load(cfg.read_text())
     for m in spec["models"]:
