@@ -7,10 +7,10 @@ be refused now (`refuse_early(model)`, raising the `DStackError` it would be ans
 with) is asked before anything reads the body: a refusal is answered at once, with the
 same status, JSON body (`error`, `reason`) and `Retry-After` as a refusal after the body.
 
-The connection is kept: uvicorn's httptools protocol reads and drops the rest of a body
-once the answer is complete (`on_body` ignores bytes after it), so a client that sends its
-whole body before reading (requests, tritonclient, aiohttp) reads the 429 rather than a
-reset, and its next request reuses the connection. A client that asked to close the
+The connection is kept: once the answer is complete the connection drops the rest of the
+body (`server.connection`: in the kernel, or through the parser over TLS), so a client that
+sends its whole body before reading (requests, tritonclient, aiohttp) reads the 429 rather
+than a reset, and its next request reuses the connection. A client that asked to close the
 connection after the answer (urllib sends `Connection: close`) gets its answer and then
 the rest of its body is read and dropped before the close (up to `drain_bytes`), as the
 body limits do: closing with its bytes unread would reset the connection mid-upload.
@@ -35,7 +35,6 @@ through is not asked about again here.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -46,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
 from server.connection import ASKED_AT_HEADER, RECEIVED_AT
-from server.limits import refuse
+from server.limits import error_json, refuse
 
 log = logging.getLogger("dstack.server")
 
@@ -163,10 +162,8 @@ class HeaderRefusal:
             return None  # the route answers it (404)
         except DStackError as e:
             _counted(self.count, model, e)
-            doc = {"error": e.message} if e.rule is None else {"error": e.message,
-                                                               "reason": e.rule}
             return e.status_code, [(b"content-type", b"application/json"),
-                                   *_retry_after(e)], json.dumps(doc).encode()
+                                   *_retry_after(e)], error_json(e.message, e.rule)
         return None
 
 

@@ -49,6 +49,12 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def error_json(message: str, reason: str | None = None) -> bytes:
+    """The body of an error answer: `{"error": message}`, and `"reason"` when given."""
+    doc = {"error": message} if reason is None else {"error": message, "reason": reason}
+    return json.dumps(doc).encode()
+
+
 async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
                  headers: Iterable[tuple[bytes, bytes]] = (), drain_bytes: int = 0,
                  keep: bool = False, reason: str | None = None) -> None:
@@ -58,12 +64,11 @@ async def refuse(scope: Scope, receive: Receive, send: Send, status: int, messag
     body timeout).
 
     `keep` (a body of a bounded length): unless the client asked to close, the connection
-    is kept and the answer is complete at once; uvicorn's protocol then drops the rest of
-    the body as it comes (`on_body` ignores bytes after the answer), with no copy of it and
-    no wake-up of this task per piece, and the client's next request reuses the
+    is kept and the answer is complete at once; the connection then drops the rest of the
+    body (`server.connection`: in the kernel, or through the parser over TLS), with no
+    wake-up of this task per piece, and the client's next request reuses the
     connection."""
-    doc = {"error": message} if reason is None else {"error": message, "reason": reason}
-    body = json.dumps(doc).encode()
+    body = error_json(message, reason)
     head = [(b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()), *headers]
     if keep and not closes_after(scope):
