@@ -17,11 +17,9 @@ from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.memory import BodyBuffer, release_freed_memory
+from server.memory import TRIM_AFTER_BYTES, BodyBuffer, release_freed_memory
 
 DRAIN_FACTOR = 4
-#: A body at least this big, once freed, has the allocator give free pages back to the OS.
-TRIM_AFTER_BYTES = 4 << 20
 
 
 class BodyBudget:

@@ -31,6 +31,7 @@ from server.auth import BearerAuth, has_token, is_open, load_token
 from server.connection import ConnectionLimits, LimitedHttpToolsProtocol, raise_fd_limit
 from server.early import EarlyRefusal, HeaderRefusal
 from server.limits import BodyBudget, BodyLimits
+from server.memory import steady_server_heap
 
 log = logging.getLogger("dstack.server")
 
@@ -185,6 +186,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         port = port if port is not None else cfg.server.port
         token = load_token(cfg.server)
         raise_fd_limit(cfg.server.max_connections)
+        steady_server_heap()
         try:
             sock = bind(host, port)
         except OSError as e:

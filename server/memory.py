@@ -1,5 +1,6 @@
-"""Memory of big request bodies: received into one buffer of their final size
-(`BodyBuffer`), and given back to the OS once they are freed (`release_freed_memory`).
+"""Memory of request bodies: received into one buffer of their final size (`BodyBuffer`),
+big ones given back to the OS once they are freed (`release_freed_memory`), and the
+allocator's thresholds fixed for the server's process (`steady_server_heap`).
 
 A body arrives as many chunks of up to 64 KiB. glibc serves those from its heap (below its
 mmap threshold), and a heap page freed in the middle goes back to the OS only when
@@ -14,6 +15,21 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Callable
+
+from dstack.common.heap import steady_heap
+
+#: A body at least this big, once freed, has the allocator give free pages back to the OS;
+#: and is mapped for itself (`steady_server_heap`), so freeing it unmaps it.
+TRIM_AFTER_BYTES = 4 << 20
+#: Free memory at the top of the server's heap that the allocator keeps for the next
+#: requests' bodies instead of giving it back (and faulting it in again).
+HEAP_TOP_KEPT_BYTES = 16 << 20
+
+
+def steady_server_heap() -> bool:
+    """Fixed malloc thresholds for this process (`dstack.common.heap.steady_heap`): what
+    `dstack serve` runs with. False where malloc is not glibc's."""
+    return steady_heap(TRIM_AFTER_BYTES, HEAP_TOP_KEPT_BYTES)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

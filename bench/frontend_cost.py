@@ -1,0 +1,219 @@
+"""The HTTP front end's CPU per infer request, without a model: `python -m
+bench.frontend_cost [--requests N] [--connections C] [--reps R]`.
+
+The server (`server.main.build_app`, uvicorn with the server's own connection protocol and
+middleware, in a child process) runs over `EchoBackend`, which answers every request at
+once with zeros. What the server's process then spends per request is the front end alone:
+reading a 1x3x224x224 FP32 binary request (602 KB), its middleware, routing, decoding and
+encoding, and writing a 4 KB binary answer. Raw-socket clients in another process send the
+requests back to back on `--connections` kept-alive connections. Printed per round: requests
+per second, the server's user and kernel CPU per request (/proc), and its minor page faults
+per request (new pages the allocator asked the OS for); then the medians.
+
+A/B between revisions: run the same copy of this file with `PYTHONPATH=<checkout>`. (The
+server of `dstack serve` costs more per request: its runtime also admits, stages and
+hands each request to a worker; `python -m bench.bench_chaos --only refusal-cost` measures
+a refusal there.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+SHAPE = (1, 3, 224, 224)
+OUTPUTS = 1000
+
+
+def _serve(addr_out: Any, steady: bool) -> None:
+    """The server's process: `build_app` over `EchoBackend` on an ephemeral port; with
+    malloc's thresholds fixed as `dstack serve` fixes them, given `steady`."""
+    import uvicorn
+
+    from dstack.common.backend import ModelStats
+    from dstack.common.config import parse_config
+    from dstack.common.types import DType, ModelSpec, TensorSpec
+    from server.main import bind, build_app, server_config
+
+    if steady:
+        try:
+            from server.memory import steady_server_heap
+        except ImportError:  # a revision from before it: glibc's adaptive thresholds
+            pass
+        else:
+            steady_server_heap()
+
+    cfg = parse_config({"models": [{"name": "image"}]})
+    spec = ModelSpec("image", (TensorSpec("x", DType.FP32, (-1, *SHAPE[1:])),),
+                     (TensorSpec("y", DType.FP32, (-1, OUTPUTS)),), max_batch_size=8)
+
+    class EchoBackend:
+        """One model, always ready; admits everything and answers at once."""
+
+        def model_names(self) -> list[str]:
+            return ["image"]
+
+        def spec(self, model: str) -> ModelSpec:
+            if model != "image":
+                from dstack.common.errors import ModelNotFound
+                raise ModelNotFound(f"unknown model {model!r}")
+            return spec
+
+        def is_ready(self) -> bool:
+            return True
+
+        def is_model_ready(self, model: str) -> bool:
+            return True
+
+        def refuse_early(self, model: str, since_s: float = 0.0) -> None:
+            self.spec(model)  # the header's question, as the runtime has it: admitted
+
+        async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                        since_received_s: float = 0.0) -> dict[str, np.ndarray]:
+            return {"y": np.zeros((len(inputs["x"]), OUTPUTS), np.float32)}
+
+        def stats(self, model: str) -> ModelStats:
+            return ModelStats(model, *[0] * 9)
+
+        def plan(self) -> None:
+            return None
+
+        def schedule(self) -> None:
+            return None
+
+        def policy_name(self) -> str:
+            return "echo"
+
+        def deploy_config(self) -> Any:
+            return cfg
+
+        async def start(self) -> None:
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+    app = build_app(cfg, EchoBackend(), start_runtime=False)
+    server = uvicorn.Server(server_config(app, cfg.server, log_level="warning"))
+    sock = bind("127.0.0.1", 0)
+    addr_out.put(sock.getsockname())
+    server.run(sockets=[sock])
+
+
+def request_bytes() -> bytes:
+    n = int(np.prod(SHAPE))
+    header = json.dumps({
+        "inputs": [{"name": "x", "shape": list(SHAPE), "datatype": "FP32",
+                    "parameters": {"binary_data_size": 4 * n}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+    body = header + np.ones(n, np.float32).tobytes()
+    head = ("POST /v2/models/image/infer HTTP/1.1\r\nHost: bench\r\n"
+            "Content-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(header)}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    return head + body
+
+
+def _send_all(addr: tuple[str, int], request: bytes, count: int) -> None:
+    """`count` requests one after another on one connection, each answer read whole."""
+    with socket.create_connection(addr) as s:
+        buf = b""
+        for _ in range(count):
+            s.sendall(request)
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end >= 0:
+                    head = buf[:end].decode("latin-1")
+                    if not head.startswith("HTTP/1.1 200"):
+                        raise RuntimeError(f"answered {head.splitlines()[0]!r}")
+                    length = next(int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                                  if line.lower().startswith("content-length:"))
+                    if len(buf) >= end + 4 + length:
+                        buf = buf[end + 4 + length:]
+                        break
+                chunk = s.recv(1 << 16)
+                if not chunk:
+                    raise RuntimeError("the server closed the connection")
+                buf += chunk
+
+
+def send(addr: tuple[str, int], request: bytes, n: int, connections: int) -> None:
+    with ThreadPoolExecutor(connections) as pool:
+        for f in [pool.submit(_send_all, addr, request, n // connections)
+                  for _ in range(connections)]:
+            f.result()  # a failed connection fails the run
+
+
+def wait_ready(addr: tuple[str, int], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/v2/health/ready",
+                                        timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _usage(pid: int) -> tuple[float, float, int]:
+    """User and kernel CPU seconds and minor page faults of process `pid`."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=4000, help="per round")
+    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3, help="rounds")
+    ap.add_argument("--glibc-defaults", action="store_true",
+                    help="leave malloc's thresholds adaptive (glibc's defaults), as the "
+                         "server's process had them before `steady_server_heap`")
+    args = ap.parse_args(argv)
+    addr_q: Any = mp.Queue()
+    proc = mp.Process(target=_serve, args=(addr_q, not args.glibc_defaults), daemon=True)
+    proc.start()
+    try:
+        addr = addr_q.get(timeout=120)
+        wait_ready(addr)
+        request = request_bytes()
+        send(addr, request, 50 * args.connections, args.connections)  # warm up
+        rows = []
+        for rep in range(args.reps):
+            u0, k0, f0 = _usage(proc.pid)
+            t0 = time.perf_counter()
+            send(addr, request, args.requests, args.connections)
+            wall = time.perf_counter() - t0
+            u1, k1, f1 = _usage(proc.pid)
+            n = args.connections * (args.requests // args.connections)
+            row = (n / wall, 1e6 * (u1 - u0) / n, 1e6 * (k1 - k0) / n, (f1 - f0) / n)
+            rows.append(row)
+            print(f"round {rep + 1}: {row[0]:.0f} requests/s; server CPU per request: user "
+                  f"{row[1]:.0f} us, kernel {row[2]:.0f} us; {row[3]:.0f} page faults",
+                  flush=True)
+        med = [statistics.median(r[i] for r in rows) for i in range(4)]
+        print(f"median: {med[0]:.0f} requests/s; server CPU per request: user {med[1]:.0f} us, "
+              f"kernel {med[2]:.0f} us, total {med[1] + med[2]:.0f} us; "
+              f"{med[3]:.0f} page faults")
+    finally:
+        proc.terminate()
+        proc.join(10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
