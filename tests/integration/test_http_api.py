@@ -120,6 +120,10 @@ def test_model_metadata_ready_and_versions(client: Client, backend: FakeBackend)
     backend.ready["double"] = False
     assert_error(client.get("/v2/models/double/ready"), 503, "model double is not ready")
     assert_error(client.get("/v2/nothing/here"), 404, "no route GET /v2/nothing/here")
+    for prefix in ("/v2/models/double", "/v2/models/double/versions/1"):
+        # the infer routes come first in the router: what they do not take goes on
+        assert_error(client.get(prefix + "/infer"), 405, "Method Not Allowed")
+        assert client.get(prefix + "/config").json()["name"] == "double"
 
 
 def test_stats_count_requests_and_batches(client: Client) -> None:
