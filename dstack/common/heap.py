@@ -1,4 +1,4 @@
-"""Keep a model process's freed memory for its next batch (glibc's malloc).
+"""Keep freed memory for the next batch, or the next request (glibc's malloc).
 
 A forward pass allocates its activations anew on every call, megabytes per tensor.
 glibc's defaults give blocks that size back to the kernel when they are freed (mmap above
@@ -14,7 +14,8 @@ its next batch anyway. `DSTACK_KEEP_HEAP=0` in the server's environment leaves g
 defaults alone (here and in `steady_heap`, the server's own bounded variant).
 
 Workers call it first thing, and so do the knee profiler's measuring children and the
-benchmark's in-process ceiling, so that all of them run a model the same way.
+benchmark's in-process ceiling, so that all of them run a model the same way. The server
+calls `steady_heap` instead (`server.memory.steady_server_heap`): its heap stays bounded.
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ print(faults() - f0)
 
 
 def _bodies(mode: str) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "DSTACK_KEEP_HEAP"}
     out = subprocess.run([sys.executable, "-c", _BODIES, mode], capture_output=True,
-                         text=True, check=True, timeout=60)
+                         text=True, env=env, check=True, timeout=60)
     applied, faults = out.stdout.split()
     return applied, int(faults)
 
