@@ -9,10 +9,11 @@ Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
 
 - overload: `configs/bench-mix-{dstack,spatial}.yaml` under open-loop Poisson at 1x, 2x and
   4x of capacity (the mix's `rate_rps` ratio; capacity = the multiple of it with the most
-  goodput within SLO in a short ramp, or `--capacity-scale`), three rounds of the three
-  in turn. Reported: goodput
-  within SLO at 2x and 4x as a ratio of 1x (target >= 0.90), the share of accepted
-  requests answered within SLO (>= 99%), and the p99 time to a refusal, client side (< 5 ms);
+  goodput within SLO in a short ramp, or `--capacity-scale`). Both policies' servers run
+  side by side; in each of three rounds each policy in turn (the order reversed every
+  other round) gets the three levels. Reported: goodput within SLO at 2x and 4x as a
+  ratio of 1x (target >= 0.90), the share of accepted requests answered within SLO
+  (>= 99%), and the p99 time to a refusal, client side (< 5 ms);
 - kill -9 of the resnet18 worker (PID from the server log) under 0.7x load;
 - 20 concurrent ~20 MB JSON bodies (sent by a child process), with other traffic's p99 per
   model during them against unloaded,
@@ -46,6 +47,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,67 +167,112 @@ def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
     return best
 
 
-def overload(policy: str, args: argparse.Namespace) -> list[Row]:
-    """1x, 2x, 4x of capacity, `args.reps` rounds of the three in turn (so that the
-    machine's noise falls on all three alike); ratios are medians over the rounds."""
+LEVELS = (1, 2, 4)  # the overload scenario's loads, as multiples of capacity
+
+
+@dataclass
+class _Levels:
+    """One policy's server under the overload scenario, and what its windows measured."""
+
+    srv: Server
+    base: dict[str, float]
+    slos: dict[str, float]
+    cap: float
+    pids: dict[str, int]
+    tallies: dict[int, cl.Tally] = field(default_factory=lambda: {x: cl.Tally() for x in LEVELS})
+    floors: dict[int, list[float]] = field(default_factory=lambda: {x: [] for x in LEVELS})
+    good: dict[int, list[float]] = field(default_factory=lambda: {x: [] for x in LEVELS})
+    per_model: dict[int, dict[str, int]] = field(
+        default_factory=lambda: {x: {} for x in LEVELS})
+    cpu: dict[int, dict[str, float]] = field(default_factory=lambda: {x: {} for x in LEVELS})
+
+
+def overload(args: argparse.Namespace) -> list[Row]:
+    """Every policy's server up at once (each calibrated alone), then `args.reps` rounds:
+    in each, every policy in turn (the order reversed every other round) gets 1x, 2x and
+    4x of its capacity. So the machine's noise falls on the policies, and on the three
+    levels, alike; ratios are medians over the rounds. A server waits idle (its CPU is
+    reported as "idle servers") while another is measured."""
     import statistics
 
-    base, slos = mix(policy)
-    rows = []
-    with serving(config(policy, f"overload-{policy}", top=args.top),
-                 OUT / f"overload-{policy}.log") as srv:
-        run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
-        cap = args.capacity_scale or calibrate(srv, base, slos, args.calibrate_scales,
-                                               args.calibrate_seconds)
-        args.capacity[policy] = cap
-        print(f"  {policy}: capacity = {cap:g}x the mix ("
-              + ", ".join(f"{m} {r * cap:g} rps" for m, r in base.items()) + ")", flush=True)
-        tallies = {x: cl.Tally() for x in (1, 2, 4)}
-        floors: dict[int, list[float]] = {x: [] for x in (1, 2, 4)}
-        good: dict[int, list[float]] = {x: [] for x in (1, 2, 4)}
-        per_model: dict[int, dict[str, int]] = {x: {} for x in (1, 2, 4)}
-        pids = {"server": srv.pid, **{m: worker_pid(srv, m) for m in base}}
-        cpu: dict[int, dict[str, float]] = {x: {} for x in (1, 2, 4)}
+    with ExitStack() as stack:
+        runs: dict[str, _Levels] = {}
+        for policy in args.policies:
+            base, slos = mix(policy)
+            srv = stack.enter_context(serving(config(policy, f"overload-{policy}",
+                                                     top=args.top),
+                                              OUT / f"overload-{policy}.log"))
+            run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
+            cap = args.capacity_scale or calibrate(srv, base, slos, args.calibrate_scales,
+                                                   args.calibrate_seconds)
+            args.capacity[policy] = cap
+            print(f"  {policy}: capacity = {cap:g}x the mix ("
+                  + ", ".join(f"{m} {r * cap:g} rps" for m, r in base.items()) + ")",
+                  flush=True)
+            runs[policy] = _Levels(srv, base, slos, cap,
+                                   {"server": srv.pid, **{m: worker_pid(srv, m) for m in base}})
+        every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
         for rep in range(args.reps):
-            for x in (1, 2, 4):
-                rates = {m: r * cap * x for m, r in base.items()}
-                before = {k: cl.cpu_s(p) for k, p in pids.items()}
-                before["load generator"] = sum(os.times()[:2])
-                t0 = time.monotonic()
-                res, floor = run(_with_floor(srv.host, cl.open_loop(
-                    srv.host, rates, slos, args.overload_seconds, seed=100 * rep + x)))
-                wall = time.monotonic() - t0
-                after = {k: cl.cpu_s(p) for k, p in pids.items()}
-                after["load generator"] = sum(os.times()[:2])
-                for k in after:  # cores used, summed over the rounds (averaged below)
-                    cpu[x][k] = cpu[x].get(k, 0.0) + (after[k] - before[k]) / wall / args.reps
-                t = cl.total(res)
-                tallies[x].add(t)
-                floors[x] += floor
-                good[x].append(t.ok / args.overload_seconds)
-                for m, tm in res.items():
-                    per_model[x][m] = per_model[x].get(m, 0) + tm.ok
-                print(f"    round {rep + 1} {x}x: goodput {good[x][-1]:.1f}/s, sent {t.sent}, "
-                      f"refused {dict(t.refused)}, hung {t.hung}, load average "
-                      f"{os.getloadavg()[0]:.2f}", flush=True)
+            order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+            for policy in order:
+                lv = runs[policy]
+                for x in LEVELS:
+                    _window(lv, policy, x, rep, every, args)
+        rows = []
         secs = args.reps * args.overload_seconds
-        for x in (1, 2, 4):
-            t = tallies[x]
-            ratios = [g / g1 if g1 else float("nan") for g, g1 in zip(good[x], good[1],
-                                                                      strict=True)]
-            extra = {"offered_rps": cap * x * sum(base.values()),
-                     "goodput_rps": statistics.median(good[x]),
-                     "goodput_vs_1x": statistics.median(ratios),
-                     "goodput_vs_1x_rounds": [round(r, 2) for r in ratios],
-                     "accepted_in_slo": t.ok / t.accepted if t.accepted else float("nan"),
-                     "health_p50_p99_ms": (round(cl.pct(floors[x], 50), 1),
-                                           round(cl.pct(floors[x], 99), 1)),
-                     "cores_used": {k: round(v, 2) for k, v in cpu[x].items()}}
-            for m, ok in per_model[x].items():
-                extra[f"goodput_{m}"] = ok / secs
-            rows.append(row(f"overload {policy} {x}x ({args.reps} x {args.overload_seconds:g} s)",
-                            t, srv.pid, **extra))
-    return rows
+        for policy, lv in runs.items():
+            for x in LEVELS:
+                t = lv.tallies[x]
+                ratios = [g / g1 if g1 else float("nan")
+                          for g, g1 in zip(lv.good[x], lv.good[1], strict=True)]
+                extra = {"offered_rps": lv.cap * x * sum(lv.base.values()),
+                         "goodput_rps": statistics.median(lv.good[x]),
+                         "goodput_vs_1x": statistics.median(ratios),
+                         "goodput_vs_1x_rounds": [round(r, 2) for r in ratios],
+                         "accepted_in_slo": t.ok / t.accepted if t.accepted else float("nan"),
+                         "health_p50_p99_ms": (round(cl.pct(lv.floors[x], 50), 1),
+                                               round(cl.pct(lv.floors[x], 99), 1)),
+                         "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()}}
+                for m, ok in lv.per_model[x].items():
+                    extra[f"goodput_{m}"] = ok / secs
+                for other, ov in runs.items():  # side by side, round by round
+                    if other != policy and policy == "dstack":
+                        by_round = [g / o if o else float("nan")
+                                    for g, o in zip(lv.good[x], ov.good[x], strict=True)]
+                        extra[f"goodput_vs_{other}"] = statistics.median(by_round)
+                        extra[f"goodput_vs_{other}_rounds"] = [round(r, 2) for r in by_round]
+                rows.append(row(f"overload {policy} {x}x ({args.reps} x "
+                                f"{args.overload_seconds:g} s)", t, lv.srv.pid, **extra))
+        return rows
+
+
+def _window(lv: _Levels, policy: str, x: int, rep: int, every: dict[str, int],
+            args: argparse.Namespace) -> None:
+    """One window of `x` times `policy`'s capacity, added to `lv`."""
+    rates = {m: r * lv.cap * x for m, r in lv.base.items()}
+    mine = {f"{policy} {k}" for k in lv.pids}
+    before = {k: cl.cpu_s(p) for k, p in every.items()}
+    load0 = sum(os.times()[:2])
+    t0 = time.monotonic()
+    res, floor = run(_with_floor(lv.srv.host, cl.open_loop(
+        lv.srv.host, rates, lv.slos, args.overload_seconds, seed=100 * rep + x)))
+    wall = time.monotonic() - t0
+    used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
+    cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
+    cores["load generator"] = (sum(os.times()[:2]) - load0) / wall
+    if len(every) > len(mine):
+        cores["idle servers"] = sum(v for k, v in used.items() if k not in mine)
+    for k, v in cores.items():  # cores used, summed over the rounds (averaged)
+        lv.cpu[x][k] = lv.cpu[x].get(k, 0.0) + v / args.reps
+    t = cl.total(res)
+    lv.tallies[x].add(t)
+    lv.floors[x] += floor
+    lv.good[x].append(t.ok / args.overload_seconds)
+    for m, tm in res.items():
+        lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
+    print(f"    round {rep + 1} {policy} {x}x: goodput {lv.good[x][-1]:.1f}/s, sent {t.sent}, "
+          f"refused {dict(t.refused)}, hung {t.hung}, load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
@@ -615,7 +663,12 @@ def notes(rows: list[Row]) -> str:
         if r["scenario"].startswith("overload"):
             out.append(f"{r['scenario']}: offered {r['offered_rps']:.0f} rps, goodput "
                        f"{r['goodput_rps']:.1f}/s = {r['goodput_vs_1x']:.2f} of 1x (>= 0.90; "
-                       f"rounds {r['goodput_vs_1x_rounds']}), HTTP floor (GET health) p50 / p99 "
+                       f"rounds {r['goodput_vs_1x_rounds']}), "
+                       + "".join(f"{k.removeprefix('goodput_')} {r[k]:.2f} (rounds "
+                                 f"{r[k + '_rounds']}), " for k in r
+                                 if k.startswith("goodput_vs_") and k != "goodput_vs_1x"
+                                 and not k.endswith("_rounds"))
+                       + "HTTP floor (GET health) p50 / p99 "
                        f"{r['health_p50_p99_ms'][0]:g} / {r['health_p50_p99_ms'][1]:g} ms, "
                        f"cores used {r['cores_used']}, "
                        f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%), "
@@ -686,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows: list[Row] = []
     steps: dict[str, Callable[[], Any]] = {
-        "overload": lambda: [rows.extend(overload(pol, args)) for pol in args.policies],
+        "overload": lambda: rows.extend(overload(args)),
         "kill": lambda: rows.append(worker_kill(args)),
         "bodies": lambda: rows.append(big_bodies(args)),
         "slowloris": lambda: rows.append(slowloris(args)),
