@@ -115,6 +115,32 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+class _Pieces:
+    """A request body's pieces as uvicorn's cycle holds them until the app reads them (its
+    `body`). uvicorn keeps a bytearray, extended by each piece and copied out whole by
+    `receive()`: two copies of every byte of every body. Here `+=` keeps the piece, and
+    `bytes()` gives it back as it is when it is the only one (joined, one copy, when more
+    came meanwhile)."""
+
+    __slots__ = ("_pieces", "_size")
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    def __iadd__(self, piece: bytes) -> _Pieces:
+        self._pieces.append(piece)
+        self._size += len(piece)
+        return self
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        pieces = self._pieces
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `limits` (use `with_limits` to set them)."""
 
@@ -228,6 +254,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._last_body_at = self.loop.time()
         self._body_left -= len(body)
         if not self._answered_here:
+            cycle = self.cycle
+            if cycle is not None and type(cycle.body) is bytearray and not cycle.body:
+                cycle.body = _Pieces()  # type: ignore[assignment]
             super().on_body(body)
 
     def on_message_complete(self) -> None:

@@ -297,6 +297,40 @@ def test_a_body_refused_from_its_header_may_come_in_pieces_and_the_next_request_
         backend.refusal = None
 
 
+def test_an_accepted_body_in_pieces_reaches_the_app_whole(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """The pieces of an accepted body are handed on as they came (one piece as it is,
+    several that came between two reads of the app joined), and the app gets the body
+    whole, byte for byte: a JSON body of about 600 KB (its numbers padded with spaces)
+    in 32 KB writes, some with pauses between them; then chunked, 4 KB chunks written
+    40 at a time (the parser hands over each chunk: several per read)."""
+    addr, _ = served
+    xs = [0.5, -1.25, 3.0]
+    doc = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32",
+                                  "data": xs}]}).encode()
+    body = doc.replace(b'"data"', b" " * BODY + b'"data"')
+    piece, chunk = 32 << 10, 4 << 10
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + chunk]), body[i:i + chunk])
+                       for i in range(0, len(body), chunk)) + b"0\r\n\r\n"
+    with socket.create_connection(addr, timeout=5) as s:
+        for how in ("length", "paused", "chunked"):
+            if how == "chunked":
+                s.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          "application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+                for i in range(0, len(chunked), 40 * (chunk + 10)):
+                    s.sendall(chunked[i:i + 40 * (chunk + 10)])
+            else:
+                s.sendall(_head(len(body)))
+                for i in range(0, len(body), piece):
+                    s.sendall(body[i:i + piece])
+                    if how == "paused" and i % (5 * piece) == 0:
+                        time.sleep(0.01)
+            status, _, answer = _response(s)
+            assert status == 200, (how, answer)
+            y = next(o for o in json.loads(answer)["outputs"] if o["name"] == "y")
+            assert y["data"] == [2 * x for x in xs], how
+
+
 def test_with_a_token_a_request_without_it_gets_401_and_not_the_refusal() -> None:
     """A refusal from the header says how busy a model is: a client without the token
     reads the 401, and the backend is not asked about its request."""
