@@ -10,8 +10,8 @@ Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
 - overload: `configs/bench-mix-{dstack,spatial}.yaml` under open-loop Poisson at 1x, 2x and
   4x of capacity (the mix's `rate_rps` ratio; capacity = the multiple of it with the most
   goodput within SLO in a short ramp, or `--capacity-scale`). Both policies' servers run
-  side by side; in each of three rounds each policy in turn (the order reversed every
-  other round) gets the three levels. Reported: goodput within SLO at 2x and 4x as a
+  side by side; in each of three rounds, at each level, each policy in turn (the order
+  reversed every other round) gets a window. Reported: goodput within SLO at 2x and 4x as a
   ratio of 1x (target >= 0.90), the share of accepted requests answered within SLO
   (>= 99%), and the p99 time to a refusal, client side (< 5 ms);
 - kill -9 of the resnet18 worker (PID from the server log) under 0.7x load;
@@ -188,10 +188,11 @@ class _Levels:
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
-    """Every policy's server up at once (each calibrated alone), then `args.reps` rounds:
-    in each, every policy in turn (the order reversed every other round) gets 1x, 2x and
-    4x of its capacity. So the machine's noise falls on the policies, and on the three
-    levels, alike; ratios are medians over the rounds. A server waits idle (its CPU is
+    """Every policy's server up at once (each calibrated alone), then `args.reps` rounds
+    of 1x, 2x and 4x of capacity; at each level every policy in turn gets a window (the
+    order reversed every other round), so that the windows compared across policies are
+    next to each other in time, and the machine's noise falls on the policies, and on the
+    levels, alike. Ratios are medians over the rounds. A server waits idle (its CPU is
     reported as "idle servers") while another is measured."""
     import statistics
 
@@ -214,10 +215,9 @@ def overload(args: argparse.Namespace) -> list[Row]:
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
         for rep in range(args.reps):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
-            for policy in order:
-                lv = runs[policy]
-                for x in LEVELS:
-                    _window(lv, policy, x, rep, every, args)
+            for x in LEVELS:  # the policies' windows of one level one after the other
+                for policy in order:
+                    _window(runs[policy], policy, x, rep, every, args)
         rows = []
         secs = args.reps * args.overload_seconds
         for policy, lv in runs.items():
