@@ -120,15 +120,25 @@ def cpu_s(pid: int) -> float:
     return sum(cpu_user_sys_s(pid))
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def cpu_user_sys_s(pid: int) -> tuple[float, float]:
     """CPU seconds a process has used in user space and in the kernel; NaNs if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat(pid)
         tick = os.sysconf("SC_CLK_TCK")
         return int(fields[11]) / tick, int(fields[12]) / tick
     except (OSError, IndexError, ValueError):
         return float("nan"), float("nan")
+
+
+def minor_faults(pid: int) -> int:
+    """Pages a process has had the kernel map in for it (minor page faults) so far."""
+    return int(_stat(pid)[7])
 
 
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],

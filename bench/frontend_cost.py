@@ -5,10 +5,11 @@ The server (`server.main.build_app`, uvicorn with the server's own connection pr
 middleware, in a child process) runs over `EchoBackend`, which answers every request at
 once with zeros. What the server's process then spends per request is the front end alone:
 reading a 1x3x224x224 FP32 binary request (602 KB), its middleware, routing, decoding and
-encoding, and writing a 4 KB binary answer. Raw-socket clients in another process send the
-requests back to back on `--connections` kept-alive connections. Printed per round: requests
-per second, the server's user and kernel CPU per request (/proc), and its minor page faults
-per request (new pages the allocator asked the OS for); then the medians.
+encoding, and writing a 4 KB binary answer. The benchmark's lean client
+(bench/lean_http.py), in another process, sends the requests back to back on
+`--connections` kept-alive connections. Printed per round: requests per second, the
+server's user and kernel CPU per request (/proc), and its minor page faults per request
+(new pages the allocator asked the OS for); then the medians.
 
 A/B between revisions: run the same copy of this file with `PYTHONPATH=<checkout>`. (The
 server of `dstack serve` costs more per request: its runtime also admits, stages and
@@ -19,17 +20,18 @@ a refusal there.)
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
-import os
-import socket
 import statistics
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
+from bench import chaos_load as cl
+from bench.lean_http import LeanClient
+from bench.servers import get_json
 
 SHAPE = (1, 3, 224, 224)
 OUTPUTS = 1000
@@ -110,69 +112,46 @@ def _serve(addr_out: Any, steady: bool) -> None:
     server.run(sockets=[sock])
 
 
-def request_bytes() -> bytes:
+def request() -> tuple[bytes, dict[str, str]]:
+    """A one-item request's body and headers (binary input, binary output asked for)."""
     n = int(np.prod(SHAPE))
     header = json.dumps({
         "inputs": [{"name": "x", "shape": list(SHAPE), "datatype": "FP32",
                     "parameters": {"binary_data_size": 4 * n}}],
         "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
-    body = header + np.ones(n, np.float32).tobytes()
-    head = ("POST /v2/models/image/infer HTTP/1.1\r\nHost: bench\r\n"
-            "Content-Type: application/octet-stream\r\n"
-            f"Inference-Header-Content-Length: {len(header)}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    return head + body
+    return header + np.ones(n, np.float32).tobytes(), {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(header))}
 
 
-def _send_all(addr: tuple[str, int], request: bytes, count: int) -> None:
-    """`count` requests one after another on one connection, each answer read whole."""
-    with socket.create_connection(addr) as s:
-        buf = b""
-        for _ in range(count):
-            s.sendall(request)
-            while True:
-                end = buf.find(b"\r\n\r\n")
-                if end >= 0:
-                    head = buf[:end].decode("latin-1")
-                    if not head.startswith("HTTP/1.1 200"):
-                        raise RuntimeError(f"answered {head.splitlines()[0]!r}")
-                    length = next(int(line.split(":", 1)[1]) for line in head.split("\r\n")
-                                  if line.lower().startswith("content-length:"))
-                    if len(buf) >= end + 4 + length:
-                        buf = buf[end + 4 + length:]
-                        break
-                chunk = s.recv(1 << 16)
-                if not chunk:
-                    raise RuntimeError("the server closed the connection")
-                buf += chunk
+async def send(url: str, n: int, connections: int) -> None:
+    """`n` requests back to back on `connections` kept-alive connections, each answer read
+    whole; a request not answered 200 fails the run."""
+    client = LeanClient(url)
+    req = client.post("/v2/models/image/infer", *request())
+
+    async def one(k: int) -> None:
+        for _ in range(k):
+            status, answer, _ = await client.send(req, 30)
+            if status != 200:
+                raise RuntimeError(f"answered {status}: {answer[:200]!r}")
+
+    try:
+        await asyncio.gather(*(one(n // connections) for _ in range(connections)))
+    finally:
+        client.close()
 
 
-def send(addr: tuple[str, int], request: bytes, n: int, connections: int) -> None:
-    with ThreadPoolExecutor(connections) as pool:
-        for f in [pool.submit(_send_all, addr, request, n // connections)
-                  for _ in range(connections)]:
-            f.result()  # a failed connection fails the run
-
-
-def wait_ready(addr: tuple[str, int], timeout_s: float = 60) -> None:
+def wait_ready(url: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/v2/health/ready",
-                                        timeout=2):
-                return
+            get_json(url + "/v2/health/ready")
+            return
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def _usage(pid: int) -> tuple[float, float, int]:
-    """User and kernel CPU seconds and minor page faults of process `pid`."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,17 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     proc = mp.Process(target=_serve, args=(addr_q, not args.glibc_defaults), daemon=True)
     proc.start()
     try:
-        addr = addr_q.get(timeout=120)
-        wait_ready(addr)
-        request = request_bytes()
-        send(addr, request, 50 * args.connections, args.connections)  # warm up
+        host, port = addr_q.get(timeout=120)
+        url = f"http://{host}:{port}"
+        wait_ready(url)
+        asyncio.run(send(url, 50 * args.connections, args.connections))  # warm up
         rows = []
         for rep in range(args.reps):
-            u0, k0, f0 = _usage(proc.pid)
+            (u0, k0), f0 = cl.cpu_user_sys_s(proc.pid), cl.minor_faults(proc.pid)
             t0 = time.perf_counter()
-            send(addr, request, args.requests, args.connections)
+            asyncio.run(send(url, args.requests, args.connections))
             wall = time.perf_counter() - t0
-            u1, k1, f1 = _usage(proc.pid)
+            (u1, k1), f1 = cl.cpu_user_sys_s(proc.pid), cl.minor_faults(proc.pid)
             n = args.connections * (args.requests // args.connections)
             row = (n / wall, 1e6 * (u1 - u0) / n, 1e6 * (k1 - k0) / n, (f1 - f0) / n)
             rows.append(row)
