@@ -25,6 +25,10 @@ P_START = 100.0
 P_CAP = 4.0
 P_RESTART = 2.0  # after two far-off batches running: a step of about 0.7 of the error
 N_SCALE = 8.0  # batch sizes are fitted as n / N_SCALE
+# A far-off batch is believed, too, when the last far-off one was of the same size, off in
+# the same direction, at most FAR_WITHIN batches before, and no batch of that size came
+# between that was not far off (`observe`).
+FAR_WITHIN = 4
 
 
 # An extension type when compiled (setup.py): the simulator and the dispatcher ask it on
@@ -60,6 +64,11 @@ class LinearLatency:
     alpha: cython.double = 0.1  # weight of a new observation
     observations: cython.long = 0
     far_streak: cython.long = 0  # consecutive observations far off in the same direction
+    # The last far-off observation: its batch size (0: none pending), direction (+1 slower,
+    # -1 faster than the line) and `observations` count then.
+    far_n: cython.long = 0
+    far_dir: cython.long = 0
+    far_at: cython.long = 0
     lo_s: cython.double = -1.0  # the fast end of a batch of 1 (refusal_s); -1: not yet
     slow: cython.double = 1.0  # high_s / estimate_s: see the class docstring
     # The fit's covariance (recursive least squares, in units of the noise): how sure the
@@ -172,21 +181,34 @@ class LinearLatency:
             else:
                 self.slow = max(1.0, self.slow - SLOW_STEP * (1 - SLOW_Q))
         # Far off (more than 2x either way): believed only when it happens twice in a row
-        # in the same direction (or while the estimate is still a seed), then the line
-        # moves most of the way at once. A lone outlier (a stall on a busy machine) moves
-        # it as a 2x observation would: it cannot flip refusals on its own.
+        # in the same direction, or twice at one batch size with only other sizes between
+        # (`FAR_WITHIN`), or while the estimate is still a seed; then the line moves most
+        # of the way at once. A lone outlier (a stall on a busy machine) moves it as a 2x
+        # observation would: it cannot flip refusals on its own. The second rule is for a
+        # line that is wrong at one size while right at another: batches of 1 and 2 taking
+        # 9 and 11 ms, alternating, against a line through 4 and 14 ms. Each batch of 1
+        # came out far off and was a lone outlier, whose scaling of a line with a negative
+        # fixed cost made it steeper, while the fit at 2 held it there: the line ran away
+        # to 0 and 86 ms in 80 batches, and admission then refused every request that
+        # would wait behind another (measured under overload, docs/reliability.md).
         far: cython.long = 0
         if seconds > 2 * pred:
             far = 1
         elif seconds < 0.5 * pred:
             far = -1
+        again: cython.bint = (far != 0 and n == self.far_n and far == self.far_dir
+                              and self.observations - self.far_at <= FAR_WITHIN)
         if far == 0:
             self.far_streak = 0
-        elif (far > 0) == (self.far_streak > 0) and self.far_streak != 0:
-            self.far_streak += far
+            if n == self.far_n:
+                self.far_n = 0
         else:
-            self.far_streak = far
-        restart: cython.bint = far != 0 and abs(self.far_streak) >= 2
+            if (far > 0) == (self.far_streak > 0) and self.far_streak != 0:
+                self.far_streak += far
+            else:
+                self.far_streak = far
+            self.far_n, self.far_dir, self.far_at = n, far, self.observations
+        restart: cython.bint = far != 0 and (abs(self.far_streak) >= 2 or again)
         if far != 0 and not restart and self.observations > TRUST_AFTER:
             # A lone outlier scales the whole line by `alpha` of a 2x (or 0.5x) batch and
             # leaves the fit alone: at a batch size recent batches do not measure, a fit

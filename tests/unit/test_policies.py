@@ -182,3 +182,33 @@ def test_a_lone_stall_at_a_batch_size_seldom_seen_moves_the_estimate_little() ->
         assert est.estimate_s(n) <= 1.11 * before[n]
     est.observe(8, 0.5)  # twice in a row: believed, the line moves most of the way
     assert est.estimate_s(8) > 3 * before[8]
+
+
+def test_a_line_wrong_at_one_size_comes_back_instead_of_running_away() -> None:
+    """Seen under overload: a line through 4 ms for a batch of 1 and 14 ms for 2 (a
+    negative fixed cost), fed batches of 1 and 2 that take 9 and 11 ms, alternating. Each
+    batch of 1 was far off but never twice running, so it only scaled the line, which made
+    it steeper; the fit at 2 held it there. The line ran away (0 ms for 1, 86 ms for 2
+    after 80 batches) and admission then refused every request that would wait behind
+    another. Far off twice at one size with only another size between is believed."""
+    est = LinearLatency(-0.006, 0.010, observations=10, p_kk=1.0, p_kt=0.0, p_tt=1.0)
+    for _ in range(40):
+        est.observe(1, 0.009)
+        est.observe(2, 0.011)
+    assert 0.006 < est.estimate_s(1) <= 0.012
+    assert 0.008 < est.estimate_s(2) < 0.014
+    assert est.t_s < 0.010  # flatter than it started, as the batches are
+
+
+def test_a_stall_at_one_size_between_others_is_still_a_lone_outlier() -> None:
+    """Two stalls at a batch of 8, five batches of other sizes apart: neither is believed
+    (only far-off batches at most FAR_WITHIN apart are)."""
+    est = LinearLatency(0.004, 0.003)
+    for i in range(300):
+        est.observe(1 + i % 2, 0.007 if i % 2 == 0 else 0.010)
+    before = est.estimate_s(8)
+    est.observe(8, 0.5)
+    for i in range(5):
+        est.observe(1 + i % 2, 0.007 if i % 2 == 0 else 0.010)
+    est.observe(8, 0.5)
+    assert est.estimate_s(8) <= 1.25 * before
