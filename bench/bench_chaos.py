@@ -13,7 +13,9 @@ Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
   side by side; in each of three rounds, at each level, each policy in turn (the order
   reversed every other round) gets a window. Reported: goodput within SLO at 2x and 4x as a
   ratio of 1x (target >= 0.90), the share of accepted requests answered within SLO
-  (>= 99%), and the p99 time to a refusal, client side (< 5 ms);
+  (>= 99%), and the p99 time to a refusal, client side (< 5 ms). Each round ends with a
+  control window per policy: 1x while a process burns the CPU the load generator took at
+  4x beyond 1x (CONTROL);
 - kill -9 of the resnet18 worker (PID from the server log) under 0.7x load;
 - 20 concurrent ~20 MB JSON bodies (sent by a child process), with other traffic's p99 per
   model during them against unloaded,
@@ -168,6 +170,13 @@ def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
 
 
 LEVELS = (1, 2, 4)  # the overload scenario's loads, as multiples of capacity
+#: The control window of each round (`--no-control` leaves it out): 1x of capacity while a
+#: process copies memory for as much CPU as the load generator took at 4x beyond what it
+#: took at 1x (that round, that policy's windows). Its goodput against 1x is what the 4x
+#: load costs the workers on the client's side alone, with nothing more for the server to
+#: refuse: on a machine the load generator shares, the most any server could keep at 4x.
+CONTROL = "1x+client4x"
+_KEYS: tuple[int | str, ...] = (*LEVELS, CONTROL)
 
 
 @dataclass
@@ -179,12 +188,17 @@ class _Levels:
     slos: dict[str, float]
     cap: float
     pids: dict[str, int]
-    tallies: dict[int, cl.Tally] = field(default_factory=lambda: {x: cl.Tally() for x in LEVELS})
-    floors: dict[int, list[float]] = field(default_factory=lambda: {x: [] for x in LEVELS})
-    good: dict[int, list[float]] = field(default_factory=lambda: {x: [] for x in LEVELS})
-    per_model: dict[int, dict[str, int]] = field(
-        default_factory=lambda: {x: {} for x in LEVELS})
-    cpu: dict[int, dict[str, float]] = field(default_factory=lambda: {x: {} for x in LEVELS})
+    tallies: dict[int | str, cl.Tally] = field(
+        default_factory=lambda: {x: cl.Tally() for x in _KEYS})
+    floors: dict[int | str, list[float]] = field(default_factory=lambda: {x: [] for x in _KEYS})
+    good: dict[int | str, list[float]] = field(default_factory=lambda: {x: [] for x in _KEYS})
+    per_model: dict[int | str, dict[str, int]] = field(
+        default_factory=lambda: {x: {} for x in _KEYS})
+    cpu: dict[int | str, dict[str, float]] = field(
+        default_factory=lambda: {x: {} for x in _KEYS})
+    load_cores: dict[int | str, list[float]] = field(
+        default_factory=lambda: {x: [] for x in _KEYS})  # the load generator's, by round
+    burnt: list[float] = field(default_factory=list)  # the burner's cores, by round
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
@@ -218,14 +232,19 @@ def overload(args: argparse.Namespace) -> list[Row]:
             for x in LEVELS:  # the policies' windows of one level one after the other
                 for policy in order:
                     _window(runs[policy], policy, x, rep, every, args)
+            for policy in order if args.control else ():
+                lv = runs[policy]
+                with cl.Burner(max(0.0, lv.load_cores[4][-1] - lv.load_cores[1][-1]),
+                               LOAD_NICE) as burner:
+                    _window(lv, policy, CONTROL, rep, every, args, burner)
         rows = []
         secs = args.reps * args.overload_seconds
         for policy, lv in runs.items():
-            for x in LEVELS:
+            for x in _KEYS if args.control else LEVELS:
                 t = lv.tallies[x]
                 ratios = [g / g1 if g1 else float("nan")
                           for g, g1 in zip(lv.good[x], lv.good[1], strict=True)]
-                extra = {"offered_rps": lv.cap * x * sum(lv.base.values()),
+                extra = {"offered_rps": lv.cap * _times(x) * sum(lv.base.values()),
                          "goodput_rps": statistics.median(lv.good[x]),
                          "goodput_vs_1x": statistics.median(ratios),
                          "goodput_vs_1x_rounds": [round(r, 2) for r in ratios],
@@ -241,25 +260,44 @@ def overload(args: argparse.Namespace) -> list[Row]:
                                     for g, o in zip(lv.good[x], ov.good[x], strict=True)]
                         extra[f"goodput_vs_{other}"] = statistics.median(by_round)
                         extra[f"goodput_vs_{other}_rounds"] = [round(r, 2) for r in by_round]
-                rows.append(row(f"overload {policy} {x}x ({args.reps} x "
+                if x == CONTROL:
+                    extra["client_4x_extra_cores_rounds"] = [
+                        round(a - b, 2) for a, b in zip(lv.load_cores[4], lv.load_cores[1],
+                                                        strict=True)]
+                    extra["burnt_cores_rounds"] = [round(c, 2) for c in lv.burnt]
+                rows.append(row(f"overload {policy} {_label(x)} ({args.reps} x "
                                 f"{args.overload_seconds:g} s)", t, lv.srv.pid, **extra))
         return rows
 
 
-def _window(lv: _Levels, policy: str, x: int, rep: int, every: dict[str, int],
-            args: argparse.Namespace) -> None:
-    """One window of `x` times `policy`'s capacity, added to `lv`."""
-    rates = {m: r * lv.cap * x for m, r in lv.base.items()}
+def _times(x: int | str) -> int:
+    return 1 if x == CONTROL else int(x)
+
+
+def _label(x: int | str) -> str:
+    return "1x+client 4x CPU" if x == CONTROL else f"{x}x"
+
+
+def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, int],
+            args: argparse.Namespace, burner: cl.Burner | None = None) -> None:
+    """One window of level `x` (a multiple of `policy`'s capacity, or CONTROL while
+    `burner` runs), added to `lv`."""
+    rates = {m: r * lv.cap * _times(x) for m, r in lv.base.items()}
     mine = {f"{policy} {k}" for k in lv.pids}
     before = {k: cl.cpu_s(p) for k, p in every.items()}
     load0 = sum(os.times()[:2])
+    burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     t0 = time.monotonic()
     res, floor = run(_with_floor(lv.srv.host, cl.open_loop(
-        lv.srv.host, rates, lv.slos, args.overload_seconds, seed=100 * rep + x)))
+        lv.srv.host, rates, lv.slos, args.overload_seconds, seed=100 * rep + _times(x))))
     wall = time.monotonic() - t0
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
     cores["load generator"] = (sum(os.times()[:2]) - load0) / wall
+    lv.load_cores[x].append(cores["load generator"])
+    if burner is not None:
+        cores["burner"] = (cl.cpu_s(burner.pid) - burnt0) / wall
+        lv.burnt.append(cores["burner"])
     if len(every) > len(mine):
         cores["idle servers"] = sum(v for k, v in used.items() if k not in mine)
     for k, v in cores.items():  # cores used, summed over the rounds (averaged)
@@ -270,8 +308,8 @@ def _window(lv: _Levels, policy: str, x: int, rep: int, every: dict[str, int],
     lv.good[x].append(t.ok / args.overload_seconds)
     for m, tm in res.items():
         lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
-    print(f"    round {rep + 1} {policy} {x}x: goodput {lv.good[x][-1]:.1f}/s, sent {t.sent}, "
-          f"refused {dict(t.refused)}, hung {t.hung}, load average "
+    print(f"    round {rep + 1} {policy} {_label(x)}: goodput {lv.good[x][-1]:.1f}/s, "
+          f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
 
 
@@ -701,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="*", choices=list(MIX), default=list(MIX))
     p.add_argument("--overload-seconds", type=float, default=10.0)
     p.add_argument("--reps", type=int, default=3, help="rounds of 1x, 2x, 4x")
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="leave out each round's control window (1x while a process burns "
+                        "the CPU the load generator took at 4x beyond 1x)")
     p.add_argument("--calibrate-seconds", type=float, default=5.0)
     p.add_argument("--calibrate-scales", type=lambda v: [float(x) for x in v.split(",")],
                    default=[4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0],

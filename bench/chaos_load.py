@@ -141,6 +141,49 @@ def minor_faults(pid: int) -> int:
     return int(_stat(pid)[7])
 
 
+class Burner:
+    """A child process that copies memory for `cores` of one core (its CPU time held to
+    `cores` x the clock) until the block ends: the CPU and the cache traffic of a client
+    sending 600 KB bodies, without the requests. `pid` is the process's."""
+
+    def __init__(self, cores: float, nice: int = 0) -> None:
+        self.cores, self.nice = cores, nice
+        self._proc: Any = None
+
+    @property
+    def pid(self) -> int:
+        return int(self._proc.pid)
+
+    def __enter__(self) -> Burner:
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c",
+             f"from bench.chaos_load import _burn; _burn({self.cores!r}, {self.nice!r})"],
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            stdout=subprocess.PIPE)
+        self._proc.stdout.readline()  # its start-up done
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._proc.stdout.close()
+
+
+def _burn(cores: float, nice: int, chunk: int = 600_000) -> None:
+    os.nice(nice)
+    src = bytearray(chunk)
+    print("burning", flush=True)
+    t0, c0 = time.monotonic(), time.process_time()
+    while True:
+        if time.process_time() - c0 < cores * (time.monotonic() - t0):
+            bytes(src)  # one copy of a body
+        else:
+            time.sleep(0.0005)
+
+
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                     duration_s: float, *, seed: int = 1, hang_s: float = 10.0,
                     max_inflight: int = 1024, stop: asyncio.Event | None = None,
