@@ -70,6 +70,14 @@ is refusing requests is re-measured: when the model has refused by estimate and 
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
 estimate says, and the estimate refuses nothing until that probe's batch has run. So a
 stale or contended estimate cannot shut a model out for longer than about `probe_s`.
+Nor can it hold a model to batches of one: a model that refuses a request for waiting
+behind work, and has launched no batch of more than one item for `probe_s`, admits it
+whatever the estimate says, and then the requests that would join its batch, up to the
+policy's batch cap (when that is more than one), until that batch launches. That batch
+runs untrimmed and re-measures the estimate as a probe's does. (Batches of one measure a
+batch of one only: a line gone steep, say 8 ms for one item and 86 ms for two, refused
+everything behind work under overload and kept the model at batches of one, half its
+goodput, for minutes; measured in docs/reliability.md.)
 
 Written in Cython's pure-Python mode (setup.py compiles it; uncompiled it runs as it reads,
 with the same results, tests/unit/test_compiled.py): the simulator drives it millions of
@@ -242,6 +250,9 @@ class _Model:
     last_done: cython.double  # when its last batch ended (or serving began)
     est_refused: cython.bint  # it has refused by estimate since its last finished batch
     probing: cython.bint  # a probe is queued or running: the estimate refuses nothing
+    multi_at: cython.double  # when it last launched a batch of more than one item
+    joinable: cython.bint  # a slope probe is queued: requests may join its batch
+    slope_probe: cython.bint  # the running batch is a slope probe's (re-measures)
     counters: Counters
     estimate: object  # LinearLatency | None
     # The estimate's `trusted` and one item's trusted estimate (0 while not trusted),
@@ -294,6 +305,9 @@ class _Model:
         self.last_done = 0.0
         self.est_refused = False
         self.probing = False
+        self.multi_at = 0.0
+        self.joinable = False
+        self.slope_probe = False
         self.counters = Counters()
         self.estimate = estimate
         self.unserved = None
@@ -411,6 +425,7 @@ class _Core:
         st: _Model
         for st in self._m:
             st.last_done = now
+            st.multi_at = now
 
     # ------------------------------------------------------------------ policy
 
@@ -580,6 +595,10 @@ class _Core:
             if slow_end:
                 finish = now + (finish - now) * st.margin
                 t.behind = True
+                if finish > t.deadline and 1 < cap and ahead + k <= cap and (
+                        st.joinable or now - st.multi_at >= self.probe_s):
+                    st.joinable = True  # a slope probe (module docstring)
+                    return None
             if finish > t.deadline:
                 st.est_refused = True
                 parse: str = (f" (its body takes about {1000 * (ready - now):.0f} ms more to "
@@ -728,9 +747,14 @@ class _Core:
             self.queued -= t.n
             tickets.append(t)
             taken += t.n
+        if taken > 1:
+            st.multi_at = now
+        probe: cython.bint = st.joinable  # a slope probe's batch: run as it is
+        st.joinable = False
+        st.slope_probe = probe
         # Refuse, rather than serve late, the heads this batch would answer after their
         # deadline: FIFO order is deadline order (one SLO per model), so only heads.
-        est = self._refusing_estimate(st, now)
+        est = None if probe else self._refusing_estimate(st, now)
         if est is not None:
             k: cython.Py_ssize_t = 0
             run_s: cython.double
@@ -786,12 +810,13 @@ class _Core:
             extra = 0.0
         st.overhead_s += OVERHEAD_ALPHA * (extra - st.overhead_s)
         if st.estimate is not None:
-            if st.probing:  # the estimate was refusing requests: believe the probe
+            if st.probing or st.slope_probe:  # it was refusing requests: believe a probe
                 st.estimate.remeasure(batch.n, compute_s)
             else:
                 st.estimate.observe(batch.n, compute_s)
             st.learned()
         st.probing = False
+        st.slope_probe = False
         st.est_refused = False
         return batch.tickets
 
@@ -816,6 +841,7 @@ class _Core:
         self._finished(st, now)
         st.counters.failed += len(batch.tickets)
         st.probing = False
+        st.slope_probe = False
         return batch.tickets
 
     @cython.cfunc
@@ -839,6 +865,7 @@ class _Core:
                 self.queued -= t.n
                 st.counters.failed += 1
                 out.append(t)
+            st.joinable = False
         return tuple(out)
 
     @cython.cfunc

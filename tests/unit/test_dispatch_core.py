@@ -423,10 +423,12 @@ def test_the_slo_counts_from_receipt_to_the_answer_reaching_the_sender() -> None
 
 
 def overloaded(core: DispatchCore, rate_rps: float, seconds: float,
-               batch_s: Callable[[int], float], seed: int = 3) -> tuple[int, int, int]:
+               batch_s: Callable[[int], float], seed: int = 3,
+               launched: list[tuple[float, int]] | None = None) -> tuple[int, int, int]:
     """Drive model A of `core` on a fake clock: Poisson arrivals of one item at `rate_rps`
     for `seconds`, each batch of n running `batch_s(n)`. Returns (admitted, answered
-    within SLO, missed): the admitted requests answered late or refused after waiting."""
+    within SLO, missed): the admitted requests answered late or refused after waiting.
+    `launched` gets each batch's (launch time, items)."""
     rng = np.random.default_rng(seed)
     arrivals = list(np.cumsum(rng.exponential(1 / rate_rps, int(rate_rps * seconds))))
     admitted = within = missed = 0
@@ -451,6 +453,8 @@ def overloaded(core: DispatchCore, rate_rps: float, seconds: float,
         for b in s.launches:
             compute = batch_s(b.n)
             running = (b, now + compute, compute)
+            if launched is not None:
+                launched.append((now, b.n))
         wake = s.wake_at if s.wake_at is None or s.wake_at > now else None
     return admitted, within, missed
 
@@ -474,3 +478,34 @@ def test_behind_a_full_queue_admission_keeps_misses_rare_when_batches_vary() -> 
         admitted, within, missed = overloaded(core, 400.0, 60.0, batch_s, seed)
         assert missed <= 0.01 * admitted
         assert within >= 0.9 * 60.0 * 4 / 0.03  # a batch of 4 every 30 ms, for a minute
+
+
+def test_a_latency_line_gone_steep_cannot_hold_a_model_to_batches_of_one() -> None:
+    """Seen under overload on the real server: a line through 7.6 ms for one item and 29
+    ms for two, with a slow end of 2x, refuses every request that would wait behind a
+    running batch (SLO 60 ms), so only batches of one run, and they measure nothing but a
+    batch of one. The batches really take 4 ms + 3 ms an item. Within a second (the probe
+    time) a request is admitted behind work whatever the estimate says, with those that
+    join its batch; that batch re-measures the line, and the model is back to full
+    batches. (Without it: batches of 1.0 for the whole run, the line steeper still.)"""
+    est = LinearLatency(-0.0142, 0.0218, observations=10, p_kk=1.0, p_kt=0.0, p_tt=1.0,
+                        slow=2.0)
+    core = core_for(slo_s=0.06, estimates={A: est})
+    launched: list[tuple[float, int]] = []
+    admitted, within, missed = overloaded(core, 400.0, 10.0, lambda n: 0.004 + 0.003 * n,
+                                          launched=launched)
+    later = [n for t, n in launched if t >= 3.0]
+    assert sum(later) / len(later) > 3.5  # max batch 4
+    assert est.estimate_s(4) == pytest.approx(0.016, rel=0.3)
+    assert missed <= 0.01 * admitted
+
+
+def test_a_model_whose_batches_of_two_do_not_fit_gets_one_probe_batch_a_second() -> None:
+    """Batches of one that really take 40 ms, two 75 ms, SLO 60 ms: batches of one are
+    right, and the probes that test a bigger batch cost at most one batch a probe time."""
+    core = core_for(slo_s=0.06, estimates={A: trusted(0.005, 0.035)}, probe_s=1.0)
+    launched: list[tuple[float, int]] = []
+    overloaded(core, 100.0, 10.0, lambda n: 0.005 + 0.035 * n, launched=launched)
+    bigger = [t for t, n in launched if n > 1]
+    assert 1 <= len(bigger) <= 11
+    assert all(b - a >= 1.0 for a, b in zip(bigger, bigger[1:], strict=False))
