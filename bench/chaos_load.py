@@ -163,7 +163,9 @@ class Burner:
              f"from bench.chaos_load import _burn; _burn({self.cores!r}, {self.nice!r})"],
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             stdout=subprocess.PIPE)
-        self._proc.stdout.readline()  # its start-up done
+        if not self._proc.stdout.readline():  # its start-up done, or it died
+            self.__exit__()
+            raise RuntimeError("the burner process exited before it started burning")
         return self
 
     def __exit__(self, *_: object) -> None:
