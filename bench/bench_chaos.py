@@ -62,6 +62,7 @@ from bench.loads import one_item_body
 from bench.servers import ROOT, Server, get_json, serving
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import freeze_startup_objects
+from dstack.common.slices import available_cores, pin_threads
 
 MIX = {"dstack": ROOT / "configs/bench-mix-dstack.yaml",
        "spatial": ROOT / "configs/bench-mix-spatial.yaml"}
@@ -210,11 +211,12 @@ def overload(args: argparse.Namespace) -> list[Row]:
     reported as "idle servers") while another is measured."""
     import statistics
 
+    front = {"cores": args.frontend_cores} if args.frontend_cores else None
     with ExitStack() as stack:
         runs: dict[str, _Levels] = {}
         for policy in args.policies:
             base, slos = mix(policy)
-            srv = stack.enter_context(serving(config(policy, f"overload-{policy}",
+            srv = stack.enter_context(serving(config(policy, f"overload-{policy}", front,
                                                      top=args.top),
                                               OUT / f"overload-{policy}.log"))
             run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
@@ -227,6 +229,10 @@ def overload(args: argparse.Namespace) -> list[Row]:
             runs[policy] = _Levels(srv, base, slos, cap,
                                    {"server": srv.pid, **{m: worker_pid(srv, m) for m in base}})
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
+        if front:  # the load generator (and the control's burner) join the front end
+            host = available_cores()
+            pin_threads(tuple(args.frontend_cores))
+            stack.callback(pin_threads, host)
         for rep in range(args.reps):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
             for x in LEVELS:  # the policies' windows of one level one after the other
@@ -254,6 +260,8 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()}}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
+                    one = lv.per_model[1].get(m, 0)
+                    extra[f"goodput_{m}_vs_1x"] = ok / one if one else float("nan")
                 for other, ov in runs.items():  # side by side, round by round
                     if other != policy and policy == "dstack":
                         by_round = [g / o if o else float("nan")
@@ -765,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-nice", type=int, default=None,
                    help="worker_nice of every server started (default: the config's); "
                         "the big-body sender runs as nice as the workers")
+    p.add_argument("--frontend-cores", type=int, nargs="+", default=None,
+                   help="overload: the servers' `server.cores`, and the load generator "
+                        "moves there too once they have started (default: neither pinned)")
     p.add_argument("--load-nice", type=int, default=LOAD_NICE,
                    help="how much nicer than the servers the measured clients run (0: as "
                         "a client on its own cores, never behind the workers)")

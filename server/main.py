@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
 from dstack.common.pauses import freeze_startup_objects
+from dstack.common.slices import available_cores, pin_threads
 from server.app import MODEL_VERSION, create_app
 from server.auth import BearerAuth, has_token, is_open, load_token
 from server.connection import ConnectionLimits, LimitedHttpToolsProtocol, raise_fd_limit
@@ -198,6 +199,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         from dstack.runtime.serving import Runtime  # heavy (torch)
 
         runtime = Runtime(cfg)  # checks every model against the zoo
+        _pin_front_end(cfg.server)  # after Runtime: its workers start on the cores of before
         app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
         config = server_config(app, cfg.server)
         scheme = "https" if cfg.server.tls_certfile else "http"
@@ -236,6 +238,18 @@ def _check_tls_files(cfg: ServerConfig) -> None:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
     except OSError as e:  # ssl.SSLError is one
         raise StartupError(f"cannot load server.tls_certfile / tls_keyfile: {e}") from None
+
+
+def _pin_front_end(cfg: ServerConfig) -> None:
+    if cfg.cores is None:
+        return
+    have = available_cores()
+    missing = sorted(set(cfg.cores) - set(have))
+    if missing:
+        raise StartupError(f"server.cores: {missing} not among the cores this process may use "
+                           f"({list(have)})")
+    pin_threads(cfg.cores)
+    log.info("front end on cores %s", sorted(set(cfg.cores)))
 
 
 def _warn_if_exposed(address: str, token: str | None) -> None:

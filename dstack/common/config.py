@@ -83,6 +83,12 @@ class ServerConfig(_Strict):
     tls_keyfile: Path | None = None
     """PEM private key of `tls_certfile` (not needed when the cert file holds the key)."""
     log_level: str = "info"
+    cores: tuple[int, ...] | None = Field(default=None, min_length=1)
+    """CPU cores the server's own process runs on: reading, refusing and answering
+    requests, and dispatch. Default: wherever the kernel puts it, which on cores the workers
+    compute on pre-empts their batches (`worker_nice`). On a host with cores to spare, give
+    it one the workers' `cores:` leave out. The workers start on the cores the server had
+    before it confined itself to these."""
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:

@@ -68,6 +68,25 @@ def available_cores() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
+def thread_ids() -> list[int]:
+    """This process's threads (Linux keeps a niceness and an affinity per thread); [0], the
+    calling thread, where there is no /proc."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def pin_threads(cores: tuple[int, ...]) -> None:
+    """Confine this process to `cores`: every thread running now, and (through the calling
+    thread) every thread and child process made later."""
+    for tid in thread_ids():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # that thread has ended meanwhile
+            pass
+
+
 class CpuSlices:
     """Slices of a CPU as disjoint core sets."""
 

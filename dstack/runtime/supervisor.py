@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from dstack.common.config import ModelConfig
 from dstack.common.errors import DStackError
-from dstack.common.slices import SliceBackend, SliceSpec
+from dstack.common.slices import SliceBackend, SliceSpec, available_cores
 from dstack.common.types import ModelSpec
 from dstack.policies.replicas import public_name
 from dstack.runtime.messages import Ready
@@ -106,6 +106,9 @@ class Supervisor:
                  clock: Callable[[], float] = time.monotonic, worker_nice: int = 0) -> None:
         self.slices = slices
         self.worker_nice = worker_nice  # DeployConfig.worker_nice
+        # The cores every worker starts on (its slice narrows them): this process's now,
+        # before the front end confines itself to `server.cores`.
+        self.cpus = available_cores()
         self._slots = {name: _Slot(cfg, spec) for name, (cfg, spec) in models.items()}
         self._on_change = on_change
         self._on_failed = on_failed
@@ -209,6 +212,7 @@ class Supervisor:
             extra_env={**self.slices.worker_env(),
                        **({"OMP_WAIT_POLICY": "PASSIVE"} if s.passive else {})},
             nice=self.worker_nice,
+            cpus=self.cpus,
         )
         t0 = self._clock()
         h = WorkerHandle.create(wcfg)

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from dstack.common.errors import BackendError, Unavailable
 from dstack.common.heap import keep_heap
 from dstack.common.pauses import freeze_startup_objects
-from dstack.common.slices import SliceSpec, enter_slice
+from dstack.common.slices import SliceSpec, enter_slice, pin_threads, thread_ids
 from dstack.common.types import ModelSpec
 from dstack.runtime.messages import (
     BatchDone,
@@ -58,6 +58,10 @@ class WorkerConfig:
     builder: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     nice: int = 0  # added to the worker's niceness, before it starts any thread
+    # The cores it starts on, which its slice may narrow: the server's own at start-up,
+    # not those the front end confines itself to later (`server.cores`), which the
+    # process it was spawned from has. (): where it was spawned.
+    cpus: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------- child side
@@ -82,12 +86,7 @@ def _renice(n: int) -> None:
     """Make every thread of this process `n` nicer: those already running (made while
     the worker's modules were imported) one by one, as Linux keeps a niceness per
     thread; those made later (torch's) inherit the main thread's."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc: the calling thread only
-        os.nice(n)
-        return
-    for tid in tids:
+    for tid in thread_ids():
         try:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + n)
         except ProcessLookupError:  # that thread has ended meanwhile
@@ -98,6 +97,8 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     os.environ.update(cfg.extra_env)
     if cfg.nice:
         _renice(cfg.nice)
+    if cfg.cpus:
+        pin_threads(cfg.cpus)
     keep_heap()  # before torch allocates anything
     try:
         enter_slice(cfg.slice)

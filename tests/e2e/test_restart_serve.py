@@ -1,7 +1,8 @@
 """A worker killed under a real `dstack serve`: while it restarts, a request whose SLO can
 wait for it is answered once it is back, one whose SLO cannot is refused at once with 503
 and Retry-After; /stats and /metrics count the same failures; the log says it once. Workers,
-restarted ones too, run `worker_nice` (10) nicer than the server, every thread of them."""
+restarted ones too, run `worker_nice` (10) nicer than the server, every thread of them, and on
+the host's cores while the front end keeps to its own (`server.cores`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def _niceness(pid: int) -> set[int]:
     return out
 
 
+def _affinity(pid: int) -> set[frozenset[int]]:
+    """The CPU affinity of each thread of process `pid`."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 def _worker_pids(log: str) -> dict[str, int]:
     return {m: int(p) for m, p in re.findall(r"worker (\w+) ready (?:in \S+ s )?\(pid (\d+)", log)}
 
@@ -53,8 +59,11 @@ def _failures(text: str, model: str) -> float:
 
 @pytest.mark.slow
 def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(serve) -> None:  # noqa: ANN001
+    host = frozenset(os.sched_getaffinity(0))
+    front = frozenset({max(host)})
     srv = serve({
-        "policy": "shared",
+        "policy": "shared",  # every worker on every core
+        "server": {"cores": sorted(front)},
         "models": [
             {"name": "patient", "zoo_name": "tiny_cnn", "slo_ms": 60000, "max_batch_size": 2},
             {"name": "hasty", "zoo_name": "tiny_cnn", "slo_ms": 300, "max_batch_size": 2},
@@ -65,6 +74,8 @@ def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(serve) -> N
     pids = _worker_pids(srv.log.read_text())
     server_nice = os.getpriority(os.PRIO_PROCESS, srv.proc.pid)
     assert {m: _niceness(p) for m, p in pids.items()} == {m: {server_nice + 10} for m in pids}
+    assert _affinity(srv.proc.pid) == {front}
+    assert {m: _affinity(p) for m, p in pids.items()} == {m: {host} for m in pids}
     for m in ("patient", "hasty"):
         os.kill(pids[m], signal.SIGKILL)
     time.sleep(0.5)  # the deaths are seen
@@ -85,3 +96,5 @@ def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(serve) -> N
     log = srv.log.read_text()
     assert len(re.findall(r"hasty.*restarted in", log)) == 1, log[-3000:]
     assert _niceness(_worker_pids(log)["hasty"]) == {server_nice + 10}
+    assert _affinity(_worker_pids(log)["hasty"]) == {host}  # not the front end's core
+    assert _affinity(srv.proc.pid) == {front}

@@ -114,6 +114,8 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
                              "max_connections"),
         "unknown model": ([], "server: {port: 0}\nmodels: [{name: no_such_model}]\n", None,
                           "no_such_model"),
+        "front-end core missing": ([], "server: {port: 0, cores: [4095]}\n" + tiny, None,
+                                   "server.cores"),
     }
     procs = {name: _fail_to_start(args, cfg, tmp_path / name.replace(" ", "_"), env)
              for name, (args, cfg, env, _) in cases.items()}

@@ -1,0 +1,43 @@
+"""A worker starts on the cores it is given (`WorkerConfig.cpus`: the server's at start-up),
+not on those of the process that spawned it: a front end confined to its own core
+(`server.cores`) must not take a GPU worker's CPU threads (whose slice names no cores) with
+it. The CPU worker's slice narrows the cores itself (tests/e2e/test_restart_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import models
+from dstack.common.slices import SliceSpec, available_cores, pin_threads
+from dstack.runtime.worker import WorkerConfig, WorkerHandle, arena_for
+
+
+def _affinity(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_a_worker_spawned_by_a_pinned_process_runs_on_its_own_cores() -> None:
+    host = available_cores()
+    spec = models.spec("tiny_cnn")
+    no_cores = SliceSpec(100.0, (), "cpu", "none")  # as a CUDA slice: nothing to pin
+
+    async def start(cpus: tuple[int, ...]) -> set[frozenset[int]]:
+        h = WorkerHandle.create(WorkerConfig(model="tiny", zoo_name="tiny_cnn", spec=spec,
+                                             slice=no_cores, arena_name="",
+                                             layout=arena_for(spec), cpus=cpus))
+        try:
+            await h.start(timeout_s=120)
+            assert h.pid is not None
+            return _affinity(h.pid)
+        finally:
+            await h.kill()
+
+    pin_threads(host[-1:])  # the spawning process, as a front end on `server.cores`
+    try:
+        inherited = asyncio.run(start(()))
+        given = asyncio.run(start(host))
+    finally:
+        pin_threads(host)
+    assert inherited == {frozenset(host[-1:])}
+    assert given == {frozenset(host)}
