@@ -185,6 +185,13 @@ class BackendCollector(Collector):
             restart_us,
             restarting,
         )
+        lag = getattr(b, "loop_lag_s", None)
+        if lag is not None:
+            yield GaugeMetricFamily(
+                "dstack_event_loop_lag_seconds",
+                "How late the server's event loop runs what is due (a running mean); the "
+                "checks before admission count a few times this as time the request waits",
+                value=lag)
 
 
 _UNSUFFIXED = (

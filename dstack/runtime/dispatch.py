@@ -62,8 +62,10 @@ server received it (`admit`'s `since_s`), not from when its body had been read.
 `refuse_early(model, n, now, since_s, ready_s)` asks the admission rules without queuing
 (the server asks it before reading a request's body, with n = 1: a refusal then costs no
 body; again with the batch size once the header is parsed; and once more after the first
-piece of a big JSON body, with `ready_s` the time its parse will take yet: the request
-joins its batch no earlier than then).
+piece of a big JSON body). `ready_s` is how long from now the request cannot be queued:
+the request joins its batch no earlier than then. The server passes the time a big JSON
+body's parse will take yet, or a few times its event loop's lag, whichever is longer
+(`dstack.runtime.serving.LAG_TURNS`).
 
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
@@ -602,7 +604,8 @@ class _Core:
             if finish > t.deadline:
                 st.est_refused = True
                 parse: str = (f" (its body takes about {1000 * (ready - now):.0f} ms more to "
-                              "parse: binary tensors take none)") if ready > now else ""
+                              "parse, or the server's loop that long to get to it)"
+                              ) if ready - now >= 0.0005 else ""
                 return self._refusal(
                     st, t, RefusalReason.WORK_AHEAD,
                     f"model {model}: {ahead} items are queued ahead; at about "

@@ -73,6 +73,15 @@ WAKE_NUDGE_S = 1e-9
 RESTART_OVERRUN = 0.1
 #: The rule a request refused because its model is restarting is refused by (503).
 RESTARTING = "restarting"
+#: The event loop's lag is sampled by a timer of this period (`Runtime.loop_lag_s`) ...
+LAG_TICK_S = 0.01
+#: ... into a running mean, each sample weighing this much.
+LAG_ALPHA = 0.2
+#: A request not admitted yet still goes through the loop this many times before it is
+#: answered, each time behind what the loop has ready then (the rest of its body, its
+#: batch's launch, the batch's end, its answer): the checks before admission count it as
+#: ready to queue this many lags from now.
+LAG_TURNS = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -172,6 +181,11 @@ class Runtime:
         self._adapter: asyncio.Task[None] | None = None
         self._ready = False
         self._closing = False
+        # How late the loop runs what is due: a running mean of how late a timer fires
+        # (`_watch_lag`). A loop that falls behind (its process short of CPU, or more work
+        # than it can do) delays every request it has not answered yet by a multiple of it.
+        self.loop_lag_s = 0.0
+        self._lag_watch: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -206,16 +220,17 @@ class Runtime:
                                        self.setup)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
+        self._lag_watch = asyncio.create_task(self._watch_lag(), name="dstack-loop-lag")
         self._ready = True
         log.info("runtime ready: policy %s, %d models", policy.name, len(self.specs))
 
     async def stop(self) -> None:
         self._closing = True
         self._ready = False
-        for t in (self._dispatcher, self._adapter, *self._tasks):
+        for t in (self._dispatcher, self._adapter, self._lag_watch, *self._tasks):
             if t is not None:
                 t.cancel()
-        for t in (self._dispatcher, self._adapter, *list(self._tasks)):
+        for t in (self._dispatcher, self._adapter, self._lag_watch, *list(self._tasks)):
             if t is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
@@ -223,6 +238,13 @@ class Runtime:
             self._fail(self.core.drain(), Unavailable("server is shutting down"))
         await self.supervisor.stop_all()
         self.slices.close()  # stops an MPS daemon the runtime started, after its clients
+
+    async def _watch_lag(self) -> None:
+        while True:
+            due = self._clock() + LAG_TICK_S
+            await asyncio.sleep(LAG_TICK_S)
+            late = max(0.0, self._clock() - due)
+            self.loop_lag_s += LAG_ALPHA * (late - self.loop_lag_s)
 
     def _spawn(self, coro: object) -> None:
         t = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -481,7 +503,8 @@ class Runtime:
         if core is None:
             return  # not ready: `infer` says so
         now = self._clock()
-        got = core.refuse_early(model, n, now, since_s, ready_s)
+        got = core.refuse_early(model, n, now, since_s,
+                                max(ready_s, LAG_TURNS * self.loop_lag_s))
         if got is not None:
             if self.replanner is not None:
                 self.replanner.record(model, now)  # demand: counted as `infer` counts it

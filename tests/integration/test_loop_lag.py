@@ -1,0 +1,73 @@
+"""A server whose event loop falls behind refuses from the header what it would no longer
+answer in time (real tiny_cnn worker): every request it has not admitted yet still waits
+for the loop several times (its body, its batch's launch and end, its answer), so the
+checks before admission count the loop's lag (`Runtime.loop_lag_s`). Without it, a loop
+short of CPU let requests in that then expired in the queue, each one's body read and
+parsed for nothing: the server took more CPU the further it fell behind, and its goodput
+went to nothing (docs/reliability.md, "Overload, tenth step"). /metrics shows the lag."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from dstack.common.config import parse_config
+from dstack.common.errors import DeadlineRefused
+from dstack.runtime.serving import Runtime
+from server import codec
+from server.app import create_app
+from tests.integration.test_metrics import samples
+
+X = np.zeros((1, 3, 32, 32), np.float32)
+
+
+async def _post(http: httpx.AsyncClient) -> httpx.Response:
+    body, hlen = codec.encode_request({"input": X})
+    return await http.post("/v2/models/tiny/infer", content=body,
+                           headers={codec.HEADER_LENGTH: str(hlen)})
+
+
+async def _hog(seconds: float, block_s: float) -> None:
+    """Hold the loop for `block_s` at a time: what a server short of CPU looks like."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(block_s)
+        await asyncio.sleep(0)
+
+
+def test_requests_are_refused_at_the_header_while_the_loop_runs_late() -> None:
+    cfg = parse_config({"models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100,
+                                    "max_batch_size": 4}]})
+
+    async def main() -> None:
+        rt = Runtime(cfg)
+        await rt.start()
+        transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 22))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                         timeout=60) as http:
+                for _ in range(5):  # a trusted estimate: a batch of one takes a few ms
+                    assert (await _post(http)).status_code == 200
+                rt.refuse_early("tiny")  # an idle loop: admitted
+                hog = asyncio.create_task(_hog(1.5, 0.05))
+                await asyncio.sleep(1.0)
+                assert rt.loop_lag_s > 0.03
+                with pytest.raises(DeadlineRefused) as refused:
+                    rt.refuse_early("tiny")
+                assert refused.value.rule == "work_ahead"
+                assert "the server's loop that long to get to it" in refused.value.message
+                lag = samples((await http.get("/metrics")).text)["dstack_event_loop_lag_seconds"]
+                assert lag[()] > 0.03
+                await hog
+                await asyncio.sleep(0.5)  # the lag dies down with the loop's
+                assert rt.loop_lag_s < 0.01
+                rt.refuse_early("tiny")
+                assert (await _post(http)).status_code == 200
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
