@@ -26,7 +26,9 @@ The refusal rules (every refusal names one):
   reason is in the message).
 - ``work_ahead``: at admission, a *trusted* latency estimate says that the work already
   queued for the model (in batches of the policy's batch cap, after the running batch)
-  plus the request's own batch ends after its deadline.
+  plus the request's own batch ends after its deadline; with no estimate that may refuse
+  (not trusted yet, a probe under way), when the request could not even be queued before
+  its deadline (`ready_s`, below).
 - ``expired``: while queued, the request can no longer finish by its deadline even if its
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
@@ -556,7 +558,15 @@ class _Core:
             return self._refusal(st, t, RefusalReason.UNPLANNED,
                                  f"model {model} is not served by the current plan: {why}")
         est = self._refusing_estimate(st, now)
-        if est is not None:
+        if est is None:
+            if ready > t.deadline:  # no estimate to go by: it cannot even queue in time
+                return self._refusal(
+                    st, t, RefusalReason.WORK_AHEAD,
+                    f"model {model}: this request could be queued no sooner than "
+                    f"{1000 * (ready - t.arrival):.1f} ms after arrival (its body to parse, "
+                    f"or the server's loop to get to it), over its SLO of "
+                    f"{st.spec.slo_s * 1000:g} ms")
+        else:
             cap: cython.longlong = self.policy.batch_cap(model)
             if cap > st.max_batch:
                 cap = st.max_batch

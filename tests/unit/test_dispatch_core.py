@@ -374,6 +374,18 @@ def test_refuse_early_counts_the_time_before_and_after_the_header() -> None:
     assert core.counters(A).refused["work_ahead"] == 2
 
 
+def test_with_no_estimate_to_go_by_a_request_that_cannot_queue_in_time_is_refused() -> None:
+    """Untrusted estimate (nothing refuses by it), SLO 100 ms: a request that cannot be
+    queued for 120 ms (a server loop that far behind) is refused before its body is read;
+    one that can in 80 ms is let through."""
+    core = core_for()
+    assert core.refuse_early(A, 1, 0.0, ready_s=0.08) is None
+    r = core.refuse_early(A, 1, 0.0, ready_s=0.12)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "queued no sooner than 120.0 ms after arrival" in r.message
+    assert core.counters(A).refused["work_ahead"] == 1
+
+
 def test_admission_counts_the_requests_that_will_join_its_batch_before_it_launches() -> None:
     """Batches take 20 ms + 10 ms per item (a full batch of 4: 60 ms); SLO 100 ms. A batch
     of 3 runs until 50 ms. A new request's batch launches then; counted as it is now (1
