@@ -75,11 +75,13 @@ RESTART_OVERRUN = 0.1
 RESTARTING = "restarting"
 #: The event loop's lag is sampled by a timer of this period (`Runtime.loop_lag_s`) ...
 LAG_TICK_S = 0.01
-#: ... into a running mean, each sample weighing this much: about 0.2 s of samples, so that
-#: it follows a loop that stays behind, not each busy moment (at 4x of capacity here, half
-#: the samples were under 0.4-0.8 ms and the busiest up to 10 ms; counted in admission at
-#: a weight of 0.2, those moments cost goodput at 4x).
-LAG_ALPHA = 0.05
+#: ... into a running mean over about this long (each sample weighs 1 - exp(-dt / tau), dt
+#: the time since the one before): it follows a loop that stays behind, not each busy
+#: moment (at 4x of capacity here, half the samples were under 0.4-0.8 ms and the busiest
+#: up to 10 ms). A weight per sample instead (0.05, until 2026-11-24) saw a loop that fell
+#: far behind late, as its samples then come far apart: a loop 250 ms behind has 4 a
+#: second (docs/reliability.md, "Overload, eleventh step").
+LAG_TAU_S = 1.0
 #: A request not admitted yet still goes through the loop this many times before it is
 #: answered, each time behind what the loop has ready then (the rest of its body, its
 #: batch's launch, the batch's end, its answer): the checks before admission count it as
@@ -247,7 +249,8 @@ class Runtime:
             due = time.monotonic() + LAG_TICK_S
             await asyncio.sleep(LAG_TICK_S)
             late = max(0.0, time.monotonic() - due)
-            self.loop_lag_s += LAG_ALPHA * (late - self.loop_lag_s)
+            weight = 1.0 - math.exp(-(LAG_TICK_S + late) / LAG_TAU_S)
+            self.loop_lag_s += weight * (late - self.loop_lag_s)
 
     def _spawn(self, coro: object) -> None:
         t = asyncio.ensure_future(coro)  # type: ignore[arg-type]
