@@ -53,6 +53,10 @@ def test_requests_are_refused_at_the_header_while_the_loop_runs_late() -> None:
                 for _ in range(5):  # a trusted estimate: a batch of one takes a few ms
                     assert (await _post(http)).status_code == 200
                 rt.refuse_early("tiny")  # an idle loop: admitted
+                time.sleep(0.3)  # a single block (the app's start-up, say) ...
+                await asyncio.sleep(0.1)
+                assert rt.loop_lag_s < 0.01  # ... says nothing of the requests after it
+                rt.refuse_early("tiny")
                 # A loop that stays 250 ms behind runs its timer 4 times a second: the mean
                 # is over time, not over samples, so it sees most of that within 2 s.
                 hog = asyncio.create_task(_hog(3.0, 0.25))
