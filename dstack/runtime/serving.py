@@ -75,14 +75,10 @@ RESTART_OVERRUN = 0.1
 RESTARTING = "restarting"
 #: The event loop's lag is sampled by a timer of this period (`Runtime.loop_lag_s`) ...
 LAG_TICK_S = 0.01
-#: ... into a running mean over about this long (each sample, the lesser of two in a row,
-#: weighs 1 - exp(-dt / tau), dt the time since the one before): it follows a loop that
-#: stays behind, not each busy moment (at 4x of capacity here, half the samples were under
-#: 0.4-0.8 ms and the busiest up to 10 ms) or a single block (the app's start-up held the
-#: loop 232 ms once, and a mean of every sample refused most requests for two seconds). A
-#: weight per sample instead (0.05, until 2026-11-24) saw a loop that fell far behind
-#: late, as its samples then come far apart: a loop 250 ms behind has 4 a second
-#: (docs/reliability.md, "Overload, eleventh step").
+#: ... into a running mean over about this long (each sample weighs 1 - exp(-dt / tau), dt
+#: the time since the one before), so that it follows a loop that stays behind, not each
+#: busy moment. Over time, not per sample: a loop 250 ms behind samples only 4 times a
+#: second (docs/reliability.md, "Overload, eleventh step").
 LAG_TAU_S = 1.0
 #: A request not admitted yet still goes through the loop this many times before it is
 #: answered, each time behind what the loop has ready then (the rest of its body, its
