@@ -33,6 +33,18 @@ The refusal rules (every refusal names one):
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
 
+A model the policy passes over is refused at admission, not left to expire: once one of
+its requests has expired in the queue while none of its batches ran, and it has started
+no batch for `probe_s` (or its SLO, if longer: the device went to other models' work
+first, as the low tier of a lane that its other models keep busy under overload),
+``work_ahead`` refuses its requests, all but one each `probe_s`; the first batch it
+starts lifts that. (After an SLO without a batch instead, models that take turns on the
+device in rounds longer than their SLO were refused requests their next turn would have
+served: the `temporal` baseline lost a fifth of its goodput in `make bench-policies`.)
+Each request admitted there would have had its body read and waited its whole SLO, only
+to be refused `expired` (a CPU lane of two models under 4x load: about a third of one
+model's requests; measured in docs/reliability.md).
+
 Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
 batches took at their quickest, rising only slowly), and so does admission of a request
 to an idle model with nothing queued: it is refused only when even that says it cannot
@@ -257,6 +269,9 @@ class _Model:
     multi_at: cython.double  # when it last launched a batch of more than one item
     joinable: cython.bint  # a slope probe is queued: requests may join its batch
     slope_probe: cython.bint  # the running batch is a slope probe's (re-measures)
+    launched_at: cython.double  # when it last launched a batch (or serving began)
+    passed_over: cython.bint  # a request expired queued, no batch running, since then
+    held_probe_at: cython.double  # when a request last got through while passed over
     counters: Counters
     estimate: object  # LinearLatency | None
     # The estimate's `trusted` and one item's trusted estimate (0 while not trusted),
@@ -312,6 +327,9 @@ class _Model:
         self.multi_at = 0.0
         self.joinable = False
         self.slope_probe = False
+        self.launched_at = 0.0
+        self.passed_over = False
+        self.held_probe_at = -_INF
         self.counters = Counters()
         self.estimate = estimate
         self.unserved = None
@@ -468,6 +486,7 @@ class _Core:
                 raise ValueError(f"model {m.name} is served already")
             st = _Model(m, self.estimates.get(m.name))
             st.last_done = now
+            st.launched_at = now
             self.index[m.name] = len(self._m)
             self.names.append(m.name)
             self._m.append(st)
@@ -518,6 +537,8 @@ class _Core:
             return r
         if self._probe_due(st, now):
             st.probing = True
+        if self._passed_over(st, now):
+            st.held_probe_at = now
         st.push(t)
         self.queued += k
         st.counters.admitted += 1
@@ -557,6 +578,13 @@ class _Core:
         if why is not None:
             return self._refusal(st, t, RefusalReason.UNPLANNED,
                                  f"model {model} is not served by the current plan: {why}")
+        if self._passed_over(st, now) and now - st.held_probe_at < self.probe_s:
+            return self._refusal(
+                st, t, RefusalReason.WORK_AHEAD,
+                f"model {model}: none of its batches has started for "
+                f"{1000 * (now - st.launched_at):.0f} ms (the device went to other models' "
+                f"work first) and its queued requests expired; one request each "
+                f"{self.probe_s:g} s is let through until a batch starts")
         est = self._refusing_estimate(st, now)
         if est is None:
             if ready > t.deadline:  # no estimate to go by: it cannot even queue in time
@@ -650,6 +678,12 @@ class _Core:
 
     @cython.cfunc
     @cython.inline
+    def _passed_over(self, st: _Model, now: cython.double) -> cython.bint:
+        return st.passed_over and now - st.launched_at > (
+            st.slo_s if st.slo_s > self.probe_s else self.probe_s)
+
+    @cython.cfunc
+    @cython.inline
     def _probe_due(self, st: _Model, now: cython.double) -> cython.bint:
         return (st.est_refused and not st.running and not st.probing
                 and now - st.last_done >= self.probe_s)
@@ -682,7 +716,7 @@ class _Core:
         `blocked`: models whose worker cannot take a batch now (restarting, switching to a
         shadow): the policy sees them as busy."""
         refusals: list = []
-        doom = self._refuse_expired(now, refusals)
+        doom = self._refuse_expired(now, refusals, blocked)
         views = self.views()
         if blocked:
             views = dict(views)
@@ -709,9 +743,10 @@ class _Core:
         return Step(tuple(launches), tuple(refusals), (), wake)
 
     @cython.cfunc
-    def _refuse_expired(self, now: cython.double, out: list) -> object:
+    def _refuse_expired(self, now: cython.double, out: list, blocked: frozenset) -> object:
         """Refuse queued tickets that cannot finish by their deadline even if run alone
-        now; return when the next head will expire (None: nothing is queued)."""
+        now; return when the next head will expire (None: nothing is queued). A model
+        that is not running, and whose worker could take a batch, was passed over."""
         nxt: cython.double = _INF
         any_left: cython.bint = False
         run_s: cython.double
@@ -722,6 +757,9 @@ class _Core:
             run_s = st.one_s
             if st.probing or (st.est_refused and self._probe_due(st, now)):
                 run_s = 0.0
+            if (not st.running and st.head_deadline - run_s < now
+                    and not (blocked and st.name in blocked)):
+                st.passed_over = True
             while st.qlen and st.head_deadline - run_s < now:
                 t: Ticket = st.pop()
                 self.queued -= t.n
@@ -790,6 +828,8 @@ class _Core:
         if not tickets:
             return None
         st.running = True
+        st.launched_at = now
+        st.passed_over = False
         st.dirty = True
         if est is None:
             est = st.estimate

@@ -521,3 +521,54 @@ def test_a_model_whose_batches_of_two_do_not_fit_gets_one_probe_batch_a_second()
     bigger = [t for t, n in launched if n > 1]
     assert 1 <= len(bigger) <= 11
     assert all(b - a >= 1.0 for a, b in zip(bigger, bigger[1:], strict=False))
+
+
+class AFirst(Raising):
+    """One batch at a time on the whole device, A's before B's: B runs only when A has
+    nothing queued (the low tier of a lane that A keeps busy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
+        from dstack.policies.contract import Launch
+        if any(q.running for q in queues.values()):
+            return Decision(())
+        for m in (A, B):
+            if queues[m].items:
+                return Decision((Launch(m, 4),))
+        return Decision(())
+
+
+def test_a_model_the_policy_passes_over_is_refused_at_admission_not_left_to_expire() -> None:
+    """A keeps the device busy (400 requests/s against 200/s it can serve) until 3 s; B
+    (20 requests/s) runs only when A has nothing queued. Before, every B request was
+    admitted and refused `expired` after its whole SLO; now, once one has expired and B
+    has started no batch for a second, B's requests are refused from admission, all but
+    one a second; and once A's load stops, B's next request gets through and B is served
+    again."""
+    core = core_for(policy_obj=AFirst(), estimates={A: trusted(0.005), B: trusted(0.005)})
+    dt, running = 0.005, []
+    outcome: dict[str, list[tuple[float, str]]] = {A: [], B: []}
+    for i in range(int(4.0 / dt)):
+        now = i * dt
+        for b in [b for b in running if b.started + 0.02 <= now]:
+            running.remove(b)
+            for t in run(core, b, 0.02):
+                outcome[core.names[t.model]].append((t.arrival, "served"))
+        arrivals = ([A, A] if now < 3.0 else []) + ([B] if i % 10 == 0 else [])
+        for m in arrivals:
+            r = core.admit(m, 1, now)
+            if isinstance(r, Refusal):
+                outcome[m].append((now, r.reason.value))
+        s = core.step(now)
+        for r in s.refusals:
+            outcome[core.names[r.ticket.model]].append((r.ticket.arrival, r.reason.value))
+        running.extend(s.launches)
+    overload = [what for t, what in outcome[B] if 1.2 <= t < 3.0]
+    assert overload.count("work_ahead") >= 32  # of 36 sent: refused when they arrive
+    assert overload.count("expired") <= 2  # one let through a second, at most
+    after = [what for t, what in outcome[B] if t >= 3.2]
+    assert after and set(after) == {"served"}
+    assert [what for t, what in outcome[A] if t < 3.0].count("served") > 400
