@@ -212,13 +212,20 @@ def overload(args: argparse.Namespace) -> list[Row]:
     import statistics
 
     front = {"cores": args.frontend_cores} if args.frontend_cores else None
+    host = available_cores()
+    load = tuple(args.load_cores or ())
     with ExitStack() as stack:
+        stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
         for policy in args.policies:
             base, slos = mix(policy)
+            if load:  # the server and its workers start on the cores the load leaves
+                pin_threads(tuple(c for c in host if c not in load))
             srv = stack.enter_context(serving(config(policy, f"overload-{policy}", front,
                                                      top=args.top),
                                               OUT / f"overload-{policy}.log"))
+            if load:
+                pin_threads(load)
             run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
             cap = args.capacity_scale or calibrate(srv, base, slos, args.calibrate_scales,
                                                    args.calibrate_seconds)
@@ -230,9 +237,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
                                    {"server": srv.pid, **{m: worker_pid(srv, m) for m in base}})
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
         if front:  # the load generator (and the control's burner) join the front end
-            host = available_cores()
             pin_threads(tuple(args.frontend_cores))
-            stack.callback(pin_threads, host)
         for rep in range(args.reps):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
             for x in LEVELS:  # the policies' windows of one level one after the other
@@ -773,13 +778,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-nice", type=int, default=None,
                    help="worker_nice of every server started (default: the config's); "
                         "the big-body sender runs as nice as the workers")
-    p.add_argument("--frontend-cores", type=int, nargs="+", default=None,
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--frontend-cores", type=int, nargs="+", default=None,
                    help="overload: the servers' `server.cores`, and the load generator "
                         "moves there too once they have started (default: neither pinned)")
+    where.add_argument("--load-cores", type=int, nargs="+", default=None,
+                   help="overload: the load generator (and the control's burner) run on "
+                        "these cores, the servers and their workers on the others: the "
+                        "client off the server's cores, as on a machine of its own "
+                        "(default: all share every core)")
     p.add_argument("--load-nice", type=int, default=LOAD_NICE,
                    help="how much nicer than the servers the measured clients run (0: as "
                         "a client on its own cores, never behind the workers)")
     args = p.parse_args(argv)
+    if args.load_cores and (not set(args.load_cores) < set(available_cores())):
+        p.error(f"--load-cores must name some of this process's cores {available_cores()} "
+                "and leave at least one for the servers")
     args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
     LOAD_NICE = args.load_nice
     if args.worker_nice is not None:
