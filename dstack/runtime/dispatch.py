@@ -33,17 +33,16 @@ The refusal rules (every refusal names one):
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
 
-A model the policy passes over is refused at admission, not left to expire: once one of
+A model the policy passes over is refused at admission, not left to expire. Each request
+admitted to it would have its body read and wait its whole SLO, only to be refused
+`expired` (the low tier of a lane that its other models keep busy under overload: on one
+CPU core, most of resnet18's requests; measured in docs/reliability.md). So once one of
 its requests has expired in the queue while none of its batches ran, and it has started
-no batch for `probe_s` (or its SLO, if longer: the device went to other models' work
-first, as the low tier of a lane that its other models keep busy under overload),
-``work_ahead`` refuses its requests, all but one each `probe_s`; the first batch it
-starts lifts that. (After an SLO without a batch instead, models that take turns on the
-device in rounds longer than their SLO were refused requests their next turn would have
-served: the `temporal` baseline lost a fifth of its goodput in `make bench-policies`.)
-Each request admitted there would have had its body read and waited its whole SLO, only
-to be refused `expired` (a CPU lane of two models under 4x load: about a third of one
-model's requests; measured in docs/reliability.md).
+no batch for `probe_s` (or its SLO, if longer), ``work_ahead`` refuses its requests, all
+but one each `probe_s`; the first batch it starts lifts that. (After one SLO without a
+batch instead, models that take turns on the device in rounds longer than their SLO were
+refused requests that their next turn would have served: the `temporal` baseline lost a
+fifth of its goodput in `make bench-policies`.)
 
 Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
 batches took at their quickest, rising only slowly), and so does admission of a request
