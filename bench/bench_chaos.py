@@ -780,13 +780,15 @@ def main(argv: list[str] | None = None) -> int:
                         "the big-body sender runs as nice as the workers")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--frontend-cores", type=int, nargs="+", default=None,
-                   help="overload: the servers' `server.cores`, and the load generator "
-                        "moves there too once they have started (default: neither pinned)")
+                       help="overload: the servers' `server.cores`, and the load generator "
+                            "moves there too once they have started (default: neither "
+                            "pinned)")
     where.add_argument("--load-cores", type=int, nargs="+", default=None,
-                   help="overload: the load generator (and the control's burner) run on "
-                        "these cores, the servers and their workers on the others: the "
-                        "client off the server's cores, as on a machine of its own "
-                        "(default: all share every core)")
+                       help="overload: the load generator runs on these cores, the servers "
+                            "and their workers on the others: the client off the server's "
+                            "cores, as on a machine of its own; no control window then, as "
+                            "the client's CPU is not the workers' (default: all share every "
+                            "core)")
     p.add_argument("--load-nice", type=int, default=LOAD_NICE,
                    help="how much nicer than the servers the measured clients run (0: as "
                         "a client on its own cores, never behind the workers)")
@@ -794,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_cores and (not set(args.load_cores) < set(available_cores())):
         p.error(f"--load-cores must name some of this process's cores {available_cores()} "
                 "and leave at least one for the servers")
+    if args.load_cores:
+        args.control = False
     args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
     LOAD_NICE = args.load_nice
     if args.worker_nice is not None:
