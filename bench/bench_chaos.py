@@ -793,10 +793,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="how much nicer than the servers the measured clients run (0: as "
                         "a client on its own cores, never behind the workers)")
     args = p.parse_args(argv)
-    if args.load_cores and (not set(args.load_cores) < set(available_cores())):
-        p.error(f"--load-cores must name some of this process's cores {available_cores()} "
-                "and leave at least one for the servers")
     if args.load_cores:
+        if not set(args.load_cores) < set(host := available_cores()):
+            p.error(f"--load-cores must name some of this process's cores {host} and leave "
+                    "at least one for the servers")
         args.control = False
     args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
     LOAD_NICE = args.load_nice
