@@ -27,7 +27,7 @@ import cython
 from dstack.common.config import Batching, PolicyName
 from dstack.common.slices import SliceBackend, SliceSpec
 from dstack.common.types import Plan, Schedule
-from dstack.policies.contract import Decision, Launch, ModelParams, QueueView
+from dstack.policies.contract import Decision, Launch, ModelParams, Precedence, QueueView
 from dstack.policies.latency import LinearLatency
 from dstack.policies.rate_batching import ArrivalRate, RateBatch, rate_batch
 
@@ -145,6 +145,9 @@ class SharedPolicy:
 
     def reanchor(self, now: float) -> None:
         return None
+
+    def lane_mates(self, model: str) -> tuple[tuple[str, Precedence], ...]:
+        return ()  # the baselines' admission counts each model's own queue only
 
     def unserved(self) -> Mapping[str, str]:
         return {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
 
 import cython
@@ -19,6 +20,14 @@ from dstack.policies.latency import LinearLatency
 # The objects made on every decision are Cython extension types when compiled (C
 # structs: a few times cheaper to make and read than Python dataclasses); frozen
 # dataclasses either way.
+
+
+class Precedence(IntEnum):
+    """Which work of a lane mate goes before a batch of a model (`Policy.lane_mates`)."""
+
+    RUNNING = 0  # only its running batch (it waits while the model has work)
+    DUE_EARLIER = 1  # its requests due before the model's (earliest deadline first)
+    ALL = 2  # all of it, arriving work too (the model waits while it has any)
 
 
 @cython.dataclasses.dataclass(frozen=True)
@@ -98,6 +107,12 @@ class Policy(Protocol):
     def batch_cap(self, model: str) -> int:
         """Batch size out: the most items the policy would launch for `model` at once now
         (the core's work-ahead estimate and the metrics read it)."""
+        ...
+
+    def lane_mates(self, model: str) -> tuple[tuple[str, Precedence], ...]:
+        """The models that run one batch at a time with `model` on its slice (a lane's
+        other models), each with which of its work goes before a batch of `model`: the
+        core's admission counts it as work ahead."""
         ...
 
     def unserved(self) -> Mapping[str, str]:

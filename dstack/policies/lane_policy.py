@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from dstack.common.config import PolicyName
 from dstack.common.slices import SliceBackend, SliceSpec
 from dstack.common.types import Plan, Schedule
-from dstack.policies.contract import Decision, Launch, ModelParams, QueueView
+from dstack.policies.contract import Decision, Launch, ModelParams, Precedence, QueueView
 from dstack.policies.latency import LinearLatency
 
 #: A model alone in its lane may batch up to what its live estimate runs in this share of
@@ -109,6 +109,11 @@ class LanePolicy:
         # when the others have nothing), 2 gap filler (and only within the lane's gap).
         self._members = [tuple((m, 2 if m in lane.fill else 1 if m in lane.low else 0)
                                for m in lane.models) for lane in self.lanes]
+        # Per model, its lane's others and which of their work goes first (by tier).
+        self._mates = {m: tuple((o, Precedence.ALL if to < tier else
+                                 Precedence.DUE_EARLIER if to == tier else Precedence.RUNNING)
+                                for o, to in members if o != m)
+                       for members in self._members for m, tier in members}
         self._gap_s = {m: GAP_SAFETY * lane.gap_ms / 1000.0 for lane in self.lanes
                        if lane.gap_ms is not None for m in lane.fill}
 
@@ -171,6 +176,11 @@ class LanePolicy:
         scale = est.estimate_s(1) * 1000.0 / shape[0]
         fit = bisect.bisect_right(shape, budget * 1000.0 / scale)  # shape is non-decreasing
         return max(cap, min(fit, p.max_batch))
+
+    def lane_mates(self, model: str) -> tuple[tuple[str, Precedence], ...]:
+        """Its lane's other models: a higher tier's work all goes first, the same tier's
+        requests due earlier (EDF), a lower tier's running batch only."""
+        return self._mates.get(model, ())
 
     def _batch(self, q: QueueView, now: float) -> int:
         # A full batch even when the oldest request cannot make its deadline in it: the

@@ -25,10 +25,11 @@ The refusal rules (every refusal names one):
 - ``unplanned``: the policy does not serve this model (the plan could not fit it; its
   reason is in the message).
 - ``work_ahead``: at admission, a *trusted* latency estimate says that the work already
-  queued for the model (in batches of the policy's batch cap, after the running batch)
-  plus the request's own batch ends after its deadline; with no estimate that may refuse
-  (not trusted yet, a probe under way), when the request could not even be queued before
-  its deadline (`ready_s`, below).
+  queued for the model (in batches of the policy's batch cap, after the running batch),
+  and its lane mates' work that goes first (below), plus the request's own batch ends
+  after its deadline; with no estimate that may refuse (not trusted yet, a probe under
+  way), when the request could not even be queued before its deadline (`ready_s`,
+  below), or its lane mates' work alone would take it past its deadline.
 - ``expired``: while queued, the request can no longer finish by its deadline even if its
   batch started now (one item's estimate; only the deadline itself while the estimate is
   not trusted); or, at launch, the batch it would join would end after its deadline.
@@ -43,6 +44,19 @@ but one each `probe_s`; the first batch it starts lifts that. (After one SLO wit
 batch instead, models that take turns on the device in rounds longer than their SLO were
 refused requests that their next turn would have served: the `temporal` baseline lost a
 fifth of its goodput in `make bench-policies`.)
+
+Admission counts a lane's other models too (`Policy.lane_mates`: models that run one
+batch at a time with this one, as the `dstack` policy's lanes do; the baselines declare
+none). A request waits for their running batch; for all the queued work of a higher tier,
+and the share of the device that tier's admitted items keep taking while it waits
+(`load`: the request starts after a busy period, work / (1 - load), in a fluid model; at
+LOAD_MAX or more it is refused outright); and, for an earliest-deadline peer, its queued
+requests due before this one and those that arrive while they would still be due before
+it. Counting only the model's own queue, a request of resnet18 sharing one core's lane
+with mobilenet_v3_small (SLOs 250 and 60 ms) under overload was admitted to an empty queue
+and then waited while every mobilenet request due before it ran: about 500 of them a
+30-second window were refused `expired` after 216 ms, and those set the p99 of all
+refusals (measured in docs/reliability.md).
 
 Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
 batches took at their quickest, rising only slowly), and so does admission of a request
@@ -83,8 +97,12 @@ body's parse will take yet, or a few times its event loop's lag, whichever is lo
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
-estimate says, and the estimate refuses nothing until that probe's batch has run. So a
+estimate says, and the estimate refuses nothing while that probe's batch runs. So a
 stale or contended estimate cannot shut a model out for longer than about `probe_s`.
+While the probe waits in the queue (behind its lane mates' work), other requests are
+judged as always: before, every request was admitted while it waited, and under overload
+all of them expired with it. A probe that expires in the queue is over; one request a
+`probe_s` at most goes through as a probe, or as the one let through while passed over.
 Nor can it hold a model to batches of one: a model that refuses a request for waiting
 behind work, and has launched no batch of more than one item for `probe_s`, admits it
 whatever the estimate says, and then the requests that would join its batch, up to the
@@ -109,7 +127,7 @@ from enum import StrEnum
 
 import cython
 
-from dstack.policies.contract import Policy, QueueView
+from dstack.policies.contract import Policy, Precedence, QueueView
 from dstack.policies.latency import LinearLatency
 
 #: Seconds after which a model that refuses by estimate gets a probe request through.
@@ -130,8 +148,13 @@ RATE_TAU_S = cython.declare(cython.double, 1.0)
 MISS_Q = cython.declare(cython.double, 0.005)
 MARGIN_STEP = cython.declare(cython.double, 0.01)
 MARGIN_MAX = cython.declare(cython.double, 1.5)
+#: A model whose lane's higher tiers take this share of the device or more (their
+#: admitted items at their estimates) is refused at admission: its turn would not come.
+LOAD_MAX = cython.declare(cython.double, 0.95)
 
 _INF = cython.declare(cython.double, math.inf)
+_RUNNING = cython.declare(cython.int, Precedence.RUNNING.value)
+_ALL = cython.declare(cython.int, Precedence.ALL.value)
 _UNSERVED_KEY = cython.declare(cython.longlong, 1 << 60)
 #: A queue's taken slots are dropped once this many have piled up at its front (_Model).
 _COMPACT_AT = cython.declare(cython.Py_ssize_t, 256)
@@ -264,13 +287,16 @@ class _Model:
     run_high_until: cython.double  # ... and by its slow end (read with work queued ahead)
     last_done: cython.double  # when its last batch ended (or serving began)
     est_refused: cython.bint  # it has refused by estimate since its last finished batch
-    probing: cython.bint  # a probe is queued or running: the estimate refuses nothing
+    probing: cython.bint  # a probe is queued or running (its batch is not trimmed)
+    # When the last probe was admitted: a request let through whatever the estimate
+    # says, or while the model is passed over (one a `probe_s` for both).
+    probed_at: cython.double
+    probe_deadline: cython.double  # ... and its deadline (which marks it in the queue)
     multi_at: cython.double  # when it last launched a batch of more than one item
     joinable: cython.bint  # a slope probe is queued: requests may join its batch
     slope_probe: cython.bint  # the running batch is a slope probe's (re-measures)
     launched_at: cython.double  # when it last launched a batch (or serving began)
     passed_over: cython.bint  # a request expired queued, no batch running, since then
-    held_probe_at: cython.double  # when a request last got through while passed over
     counters: Counters
     estimate: object  # LinearLatency | None
     # The estimate's `trusted` and one item's trusted estimate (0 while not trusted),
@@ -302,6 +328,10 @@ class _Model:
     # if any of the batches before it, or its own, runs long.
     margin: cython.double
     unserved: object  # why the policy does not serve it (str), or None
+    # Its lane mates (`Policy.lane_mates`): their positions, and for each which of its
+    # work goes before a batch of this model (a `Precedence`).
+    mates: list
+    mate_kinds: list
     dirty: cython.bint  # its queue view must be made again
 
     def __init__(self, spec: CoreModel, estimate: LinearLatency | None) -> None:
@@ -323,15 +353,18 @@ class _Model:
         self.last_done = 0.0
         self.est_refused = False
         self.probing = False
+        self.probed_at = -_INF
+        self.probe_deadline = -_INF
         self.multi_at = 0.0
         self.joinable = False
         self.slope_probe = False
         self.launched_at = 0.0
         self.passed_over = False
-        self.held_probe_at = -_INF
         self.counters = Counters()
         self.estimate = estimate
         self.unserved = None
+        self.mates = []
+        self.mate_kinds = []
         self.dirty = True
         self.overhead_s = 0.0
         self.delivery_s = 0.0
@@ -464,6 +497,10 @@ class _Core:
         st: _Model
         for st in self._m:
             st.unserved = self._unserved.get(st.name)
+            mates = [(self.index[m], int(kind)) for m, kind in policy.lane_mates(st.name)
+                     if m in self.index]
+            st.mates = [j for j, _ in mates]
+            st.mate_kinds = [kind for _, kind in mates]
 
     def set_estimate(self, model: str, est: LinearLatency) -> None:
         """Replace a model's latency estimate (a new measurement, say)."""
@@ -536,8 +573,10 @@ class _Core:
             return r
         if self._probe_due(st, now):
             st.probing = True
+            st.probed_at = now
+            st.probe_deadline = t.deadline
         if self._passed_over(st, now):
-            st.held_probe_at = now
+            st.probed_at = now
         st.push(t)
         self.queued += k
         st.counters.admitted += 1
@@ -577,14 +616,17 @@ class _Core:
         if why is not None:
             return self._refusal(st, t, RefusalReason.UNPLANNED,
                                  f"model {model} is not served by the current plan: {why}")
-        if self._passed_over(st, now) and now - st.held_probe_at < self.probe_s:
+        if self._passed_over(st, now) and now - st.probed_at < self.probe_s:
             return self._refusal(
                 st, t, RefusalReason.WORK_AHEAD,
                 f"model {model}: none of its batches has started for "
                 f"{1000 * (now - st.launched_at):.0f} ms (the device went to other models' "
                 f"work first) and its queued requests expired; one request each "
                 f"{self.probe_s:g} s is let through until a batch starts")
-        est = self._refusing_estimate(st, now)
+        # The estimate refuses nothing while a probe's batch runs; while the probe waits
+        # in the queue (behind a lane mate's work) a request is judged as any other.
+        est = None if not st.trusted or (st.probing and st.running) or self._probe_due(
+            st, now) else st.estimate
         if est is None:
             if ready > t.deadline:  # no estimate to go by: it cannot even queue in time
                 return self._refusal(
@@ -593,6 +635,10 @@ class _Core:
                     f"{1000 * (ready - t.arrival):.1f} ms after arrival (its body to parse, "
                     f"or the server's loop to get to it), over its SLO of "
                     f"{st.spec.slo_s * 1000:g} ms")
+            if st.mates:  # its own work unknown: its lane mates' that goes first, at least
+                wait_s: cython.double = self._lane_start(st, t.deadline, now, 0.0)
+                if now + wait_s > t.deadline:
+                    return self._lane_refusal(st, t, model, wait_s)
         else:
             cap: cython.longlong = self.policy.batch_cap(model)
             if cap > st.max_batch:
@@ -606,7 +652,9 @@ class _Core:
                 own = cap
             start: cython.double = now
             per_batch: cython.double
-            slow_end: cython.bint = ahead > 0 or st.running  # it waits behind work
+            # It waits behind work: its own, or a lane mate's that goes first.
+            slow_end: cython.bint = ahead > 0 or st.running or (
+                len(st.mates) > 0 and self._mates_busy(st, now))
             if slow_end:
                 if st.running and st.run_high_until > now:
                     start = st.run_high_until
@@ -621,6 +669,13 @@ class _Core:
             # a request admitted on its batch as it is now would be answered late, or
             # refused at launch as `expired` after waiting, whenever its batch filled up.
             launch: cython.double = start + full_batches * per_batch
+            mates_s: cython.double = 0.0  # how much later its lane mates make that
+            if st.mates:
+                mates_s = self._lane_start(st, t.deadline, now, launch - now) - (launch - now)
+                if mates_s == _INF:
+                    st.est_refused = True
+                    return self._lane_refusal(st, t, model, mates_s)
+                launch += mates_s
             if ready > launch:  # its body is still being parsed when its batch could go
                 launch = ready
             if own < cap and launch > now:
@@ -634,7 +689,7 @@ class _Core:
             if slow_end:
                 finish = now + (finish - now) * st.margin
                 t.behind = True
-                if finish > t.deadline and 1 < cap and ahead + k <= cap and (
+                if finish > t.deadline and 1 < cap and ahead + k <= cap and mates_s == 0 and (
                         st.joinable or now - st.multi_at >= self.probe_s):
                     st.joinable = True  # a slope probe (module docstring)
                     return None
@@ -643,13 +698,111 @@ class _Core:
                 parse: str = (f" (its body takes about {1000 * (ready - now):.0f} ms more to "
                               "parse, or the server's loop that long to get to it)"
                               ) if ready - now >= 0.0005 else ""
+                first: str = (f" (and {1000 * mates_s:.1f} ms of work of the models that "
+                              f"share its slice before it)") if mates_s > 0 else ""
                 return self._refusal(
                     st, t, RefusalReason.WORK_AHEAD,
                     f"model {model}: {ahead} items are queued ahead; at about "
-                    f"{per_batch * 1000:.1f} ms per batch of {cap} this request would "
+                    f"{per_batch * 1000:.1f} ms per batch of {cap}{first} this request would "
                     f"finish {1000 * (finish - t.arrival):.1f} ms after arrival{parse}, over "
                     f"its SLO of {st.spec.slo_s * 1000:g} ms")
         return None
+
+    @cython.cfunc
+    def _mates_busy(self, st: _Model, now: cython.double) -> cython.bint:
+        """Whether a lane mate of `st` runs a batch, or has queued work that goes first."""
+        i: cython.Py_ssize_t
+        m: _Model
+        for i in range(len(st.mates)):
+            m = self._m[st.mates[i]]
+            if m.running or (m.qlen and st.mate_kinds[i] != _RUNNING):
+                return True
+        return False
+
+    @cython.cfunc
+    def _lane_start(self, st: _Model, deadline: cython.double, now: cython.double,
+                    own_s: cython.double) -> cython.double:
+        """Seconds from `now` until a batch of `st` whose own work ahead takes `own_s` can
+        start, its lane mates' work that goes first counted too (on the slow end): their
+        running batches; a higher tier's queued batches and, while it waits, the share of
+        the device its admitted items keep taking (`load`); an earliest-deadline peer's
+        queued items due before `deadline`, and those that arrive while they would still
+        be due before it (until `deadline` - its SLO). In a fluid model the start s is
+        then the least solution of
+            s = running + queued + load * s + sum of peer load * min(s, until peer's),
+        or _INF when the higher tiers' load is LOAD_MAX or more."""
+        fixed: cython.double = own_s
+        load: cython.double = 0.0
+        peers: list = []  # (until, load) of each earliest-deadline peer still arriving
+        i: cython.Py_ssize_t
+        m: _Model
+        kind: cython.int
+        mcap: cython.longlong
+        n: cython.double
+        share: cython.double
+        for i in range(len(st.mates)):
+            m = self._m[st.mates[i]]
+            kind = st.mate_kinds[i]
+            if m.running and m.run_high_until > now:
+                fixed += m.run_high_until - now
+            if kind == _RUNNING or not m.trusted:
+                continue
+            mcap = self.policy.batch_cap(m.name)
+            if mcap > m.max_batch:
+                mcap = m.max_batch
+            if mcap < 1:
+                mcap = 1
+            n = m.items
+            if kind != _ALL and m.qlen:
+                # its queued deadlines run from its head's to about now + its SLO
+                if m.head_deadline >= deadline:
+                    n = 0.0
+                elif now + m.slo_s > deadline:
+                    n *= (deadline - m.head_deadline) / (now + m.slo_s - m.head_deadline)
+            if n > 0:
+                fixed += math.ceil(n / mcap) * (m.estimate.high_s(mcap) + m.overhead_s)
+            share = m.rate_now(now) * (m.estimate.estimate_s(mcap) + m.overhead_s) / mcap
+            if kind == _ALL:
+                load += share
+            elif deadline - m.slo_s > now:
+                peers.append((deadline - m.slo_s - now, share))
+        peers.sort()
+        # Segment by segment: while s is past a peer's `until`, that peer adds
+        # share * until, a constant; before it, share * s.
+        arriving: cython.double = load
+        for _, share in peers:
+            arriving += share
+        until: cython.double
+        s: cython.double
+        lo: cython.double = 0.0
+        for until, share in peers:
+            if arriving < 1.0:
+                s = fixed / (1.0 - arriving)
+                if s <= until:
+                    return s if s > lo else lo
+            fixed += share * until
+            arriving -= share
+            lo = until
+        if load >= LOAD_MAX:
+            return _INF
+        s = fixed / (1.0 - load)
+        return s if s > lo else lo
+
+    def _lane_refusal(self, st: _Model, t: Ticket, model: str, wait_s: float) -> Refusal:
+        """The refusal of a request that its lane mates' work would keep from starting
+        for `wait_s` (_INF: never), past its deadline."""
+        if wait_s == _INF:
+            first = ", ".join([self.names[j] for j, k in zip(st.mates, st.mate_kinds,
+                                                             strict=True) if k == _ALL])
+            why = (f"the models whose work goes before its batches on its slice ({first}) "
+                   f"take {100 * LOAD_MAX:.0f}% of it or more")
+        else:
+            mates = ", ".join([self.names[j] for j in st.mates])
+            why = (f"the work of the models that share its slice ({mates}) that goes "
+                   f"first would take {1000 * wait_s:.0f} ms")
+        return self._refusal(st, t, RefusalReason.WORK_AHEAD,
+                             f"model {model}: {why}; its turn would not come within its "
+                             f"SLO of {st.spec.slo_s * 1000:g} ms")
 
     @cython.cfunc
     def _route(self, group: list) -> cython.Py_ssize_t:
@@ -685,7 +838,7 @@ class _Core:
     @cython.inline
     def _probe_due(self, st: _Model, now: cython.double) -> cython.bint:
         return (st.est_refused and not st.running and not st.probing
-                and now - st.last_done >= self.probe_s)
+                and now - st.last_done >= self.probe_s and now - st.probed_at >= self.probe_s)
 
     @cython.cfunc
     def _refusal(self, st: _Model, t: Ticket, reason: object, message: str) -> Refusal:
@@ -763,6 +916,8 @@ class _Core:
                 t: Ticket = st.pop()
                 self.queued -= t.n
                 st.outcome(t, True)
+                if t.deadline == st.probe_deadline:
+                    st.probing = False  # the probe expired queued: it is over
                 if run_s > 0:
                     st.est_refused = True
                 out.append(self._refusal(

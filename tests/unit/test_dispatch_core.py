@@ -11,7 +11,10 @@ import pytest
 
 from dstack.common.config import PolicyName
 from dstack.common.slices import CpuSlices
+from dstack.common.types import Schedule, SolverStatus
 from dstack.policies.contract import Decision, ModelParams, QueueView
+from dstack.policies.lane_planning import Lane, LanePlan
+from dstack.policies.lane_policy import LanePolicy
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
 from dstack.runtime.dispatch import (
@@ -188,6 +191,9 @@ class Raising:
 
     def batch_cap(self, model: str) -> int:
         return 4
+
+    def lane_mates(self, model: str) -> tuple:
+        return ()
 
     def unserved(self) -> Mapping[str, str]:
         return {}
@@ -572,3 +578,82 @@ def test_a_model_the_policy_passes_over_is_refused_at_admission_not_left_to_expi
     after = [what for t, what in outcome[B] if t >= 3.2]
     assert after and set(after) == {"served"}
     assert [what for t, what in outcome[A] if t < 3.0].count("served") > 400
+
+
+def one_lane(low: tuple[str, ...] = ()) -> DispatchCore:
+    """A (60 ms SLO, 8 ms a request) and B (250 ms, 35 ms) in one lane of one core, batches
+    of one: the `dstack` plan for mobilenet_v3_small and resnet18 on one core. EDF between
+    them, or B only when A has nothing queued (`low`)."""
+    lane = Lane(100.0, (0,), (A, B), (1, 1), 43.0, low=low)
+    plan = LanePlan((), 43.0, 0.0, SolverStatus.OPTIMAL, lanes=(lane,))
+    params = {A: ModelParams(A, 1, 0.0, 0.06), B: ModelParams(B, 1, 0.0, 0.25)}
+    policy = LanePolicy(params, CpuSlices((0,)), plan, Schedule(43.0, ()))
+    return DispatchCore([CoreModel(A, 0.06, 1, 64), CoreModel(B, 0.25, 1, 64)], policy,
+                        {A: trusted(0.008), B: trusted(0.035)}, now=0.0)
+
+
+def lane_outcomes(core: DispatchCore, a_rps: float, b_rps: float, seconds: float = 6.0,
+                  since: float = 1.0) -> dict[str, dict[str, int]]:
+    """Poisson arrivals of A and B on a 0.5 ms clock, each batch taking its model's time;
+    per model, how many of the requests that arrived from `since` on (once the arrival
+    rates the core measures have settled) were served in time, late, or refused by each
+    rule."""
+    rng = np.random.default_rng(5)
+    run_s = {A: 0.008, B: 0.035}
+    out: dict[str, dict[str, int]] = {A: {}, B: {}}
+
+    def note(m: str, what: str, arrival: float) -> None:
+        if arrival >= since:
+            out[m][what] = out[m].get(what, 0) + 1
+
+    running: list[tuple[Batch, float]] = []
+    dt = 0.0005
+    for i in range(int(seconds / dt)):
+        now = i * dt
+        for b, end in [x for x in running if x[1] <= now]:
+            running.remove((b, end))
+            for t in run(core, b, end - b.started):
+                note(core.names[t.model], "served" if end <= t.deadline else "late",
+                     t.arrival)
+        for m, rate in ((A, a_rps), (B, b_rps)):
+            for _ in range(rng.poisson(rate * dt)):
+                r = core.admit(m, 1, now)
+                if isinstance(r, Refusal):
+                    note(m, r.reason.value, now)
+        s = core.step(now)
+        for r in s.refusals:
+            note(core.names[r.ticket.model], r.reason.value, r.ticket.arrival)
+        running += [(b, now + run_s[b.model] * b.n) for b in s.launches]
+    return out
+
+
+def test_a_request_its_lane_mates_would_keep_past_its_deadline_is_refused_at_admission() -> (
+        None):
+    """EDF in one lane: B's request waits for every A request due before it, those that
+    arrive meanwhile too. With A at 4x what the lane serves, admission counted only B's
+    own (empty) queue: B's requests were admitted and refused `expired` after waiting
+    most of their 250 ms (here 56 of 93, and 4 answered late). Now they are refused on
+    arrival, all but a few (the probes, one a second, among them); A is served as before;
+    and at a load the lane can carry, B is served."""
+    over = lane_outcomes(one_lane(), 480.0, 20.0)
+    b = over[B]
+    assert b.get("work_ahead", 0) >= 0.8 * sum(b.values())
+    assert b.get("expired", 0) + b.get("late", 0) <= 2 * 5
+    assert over[A]["served"] >= 0.95 * 5 / 0.008  # the lane stays busy with A
+    light = lane_outcomes(one_lane(), 50.0, 10.0)
+    assert light[B]["served"] >= 0.9 * sum(light[B].values())
+    assert light[A]["served"] >= 0.95 * sum(light[A].values())
+
+
+def test_a_low_tier_request_is_refused_while_its_lane_has_no_time_for_it() -> None:
+    """B runs only when A has nothing queued: while A's admitted requests take all of the
+    lane, B's are refused on arrival, saying why; when A leaves it room, B is served."""
+    core = one_lane(low=(B,))
+    over = lane_outcomes(core, 480.0, 20.0)
+    b = over[B]
+    assert b.get("work_ahead", 0) >= 0.9 * sum(b.values())
+    assert b.get("expired", 0) + b.get("late", 0) <= 3  # 5 when one a second got through
+    r = core.admit(B, 1, 6.0)
+    assert isinstance(r, Refusal) and "(a) take 95% of it or more" in r.message
+    light = lane_outcomes(one_lane(low=(B,)), 50.0, 10.0)
+    assert light[B]["served"] >= 0.9 * sum(light[B].values())
