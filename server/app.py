@@ -37,6 +37,7 @@ from dstack.common.types import ModelSpec, TensorSpec
 from server import codec
 from server.connection import RECEIVED_AT
 from server.dashboard import install_dashboard
+from server.early import HELD
 from server.metrics import CONTENT_TYPE, Metrics
 from server.model_config import triton_model_config
 
@@ -192,6 +193,9 @@ def create_app(
     # (model, n, since_s, ready_s): see `Runtime.check_batch`.
     check_batch: Callable[[str, int, float, float], None] | None = getattr(
         backend, "check_batch", None)
+    # A request let through at its header with a hold on the queue (server.early.HELD)
+    # gives it back here, just before its real batch is checked.
+    release: Callable[[str], None] | None = getattr(backend, "release", None)
 
     async def decode_data(head: codec.RequestHead, model: str,
                           received: float) -> codec.InferRequest:
@@ -327,6 +331,9 @@ def create_app(
         check_admission(model)  # before the body is read
         body = await read_body(request, max_body_bytes)
         head = codec.parse_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
+        held = request.scope.pop(HELD, None)
+        if held is not None and release is not None:
+            release(held)
         if check_batch is not None:  # refused by its batch size before its numbers are parsed
             check_batch(model, head.batch_size, time.monotonic() - received, 0.0)
         req = await decode_data(head, model, received)

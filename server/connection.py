@@ -100,9 +100,10 @@ _SINK = memoryview(mmap.mmap(-1, 4 << 20))
 #: The most a paced drop reads at once (so that the pace holds to about its own grain).
 _PACED_READ_BYTES = 256 << 10
 
-#: `refuse_at_header(path, headers, content_length)`: the status, headers and body to
-#: answer a request with from its header alone, or None to hand it to the app.
-HeaderCheck = Callable[[str, list[tuple[bytes, bytes]], int],
+#: `refuse_at_header(path, headers, content_length, scope)`: the status, headers and body
+#: to answer a request with from its header alone, or None to hand it to the app (with
+#: what it noted in the request's ASGI `scope`).
+HeaderCheck = Callable[[str, list[tuple[bytes, bytes]], int, dict[str, Any]],
                        tuple[int, list[tuple[bytes, bytes]], bytes] | None]
 
 
@@ -281,7 +282,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 or self.parser.get_method() != b"POST"):
             return False
         answer = check(httptools.parse_url(self.url).path.decode("ascii", "replace"),
-                       self.headers, self._body_left)
+                       self.headers, self._body_left, self.scope)  # type: ignore[arg-type]
         if answer is None:
             self.scope[ASKED_AT_HEADER] = True  # type: ignore[literal-required]
             return False

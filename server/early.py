@@ -30,7 +30,9 @@ the body the client sends anyway is dropped in the kernel. Under overload, where
 requests are refused, that is most of the server's work per request. The connection
 does not ask about a chunked or pipelined request or one with `Expect: 100-continue`:
 this middleware asks about those, as before. What the connection asked about and let
-through is not asked about again here.
+through is not asked about again here. A request it lets through holds a place in its
+model's queue while its body is read (`HELD`), so that the requests whose headers come
+meanwhile are checked with it counted.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,6 +56,13 @@ _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 
 #: Bytes of a body read between two checks of its deadline while it arrives.
 CHECK_EVERY_BYTES = 1 << 20
+
+#: The scope key `HeaderRefusal` sets (to the model) when it let a request through with a
+#: hold on the model's queue (`Runtime.refuse_early(hold=True)`): the request counts as
+#: queued while its body is read. Whoever pops it releases the hold (`release(model)`):
+#: the infer route just before it asks about the request's real batch, else
+#: `EarlyRefusal` when the request is over, however it ended.
+HELD = "dstack.held"
 
 
 class _TooLate(Exception):
@@ -71,9 +81,10 @@ class EarlyRefusal:
 
     def __init__(self, app: ASGIApp, *, refuse_early: Callable[..., None],
                  count: Callable[[str, str], None], version: str,
-                 drain_bytes: int = 0) -> None:
+                 drain_bytes: int = 0, release: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.refuse_early = refuse_early
+        self.release = release
         self.count = count
         self.version = version
         self.drain_bytes = drain_bytes
@@ -96,6 +107,10 @@ class EarlyRefusal:
                         await self.app(scope, self._watched(scope, receive, model), send)
                     except _TooLate as late:
                         await self._refuse(scope, receive, send, model, late.error)
+                    finally:
+                        held = scope.pop(HELD, None)
+                        if held is not None and self.release is not None:
+                            self.release(held)
                     return
         await self.app(scope, receive, send)
 
@@ -139,31 +154,38 @@ class HeaderRefusal:
     infer route of this version, an unknown model, a body over `max_body_bytes`, no token
     where `allowed` wants one, or nothing to refuse)."""
 
-    def __init__(self, *, refuse_early: Callable[[str], None],
+    def __init__(self, *, refuse_early: Callable[..., None],
                  count: Callable[[str, str], None], version: str, max_body_bytes: int,
                  allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None = None,
-                 ) -> None:
+                 hold: bool = False) -> None:
         self.refuse_early = refuse_early
         self.count = count
         self.version = version
         self.max_body_bytes = max_body_bytes
         self.allowed = allowed
+        self.hold = hold  # let through with a hold on the queue (HELD)
 
-    def __call__(self, path: str, headers: list[tuple[bytes, bytes]],
-                 length: int) -> Answer | None:
+    def __call__(self, path: str, headers: list[tuple[bytes, bytes]], length: int,
+                 scope: dict[str, Any] | None = None) -> Answer | None:
         m = _INFER.match(path)
         if (m is None or m.group(2) not in (None, self.version) or length > self.max_body_bytes
                 or (self.allowed is not None and not self.allowed(path, headers))):
             return None
         model = m.group(1)
+        hold = self.hold and scope is not None
         try:
-            self.refuse_early(model)
+            if hold:
+                self.refuse_early(model, hold=True)
+            else:
+                self.refuse_early(model)
         except ModelNotFound:
             return None  # the route answers it (404)
         except DStackError as e:
             _counted(self.count, model, e)
             return e.status_code, [(b"content-type", b"application/json"),
                                    *_retry_after(e)], error_json(e.message, e.rule)
+        if hold:
+            scope[HELD] = model  # type: ignore[index]
         return None
 
 

@@ -69,9 +69,10 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
                        budget=BodyBudget(s.body_budget_bytes))
     refuse_early = getattr(runtime, "refuse_early", None)
     if refuse_early is not None:  # outside the body limits: refused before the body is read
+        release = getattr(runtime, "release", None)
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
                            count=app.state.metrics.failures.add, version=MODEL_VERSION,
-                           drain_bytes=s.max_body_bytes)
+                           drain_bytes=s.max_body_bytes, release=release)
         token = None if auth_token is None else auth_token.encode()
         open_paths = tuple(s.auth_open_paths)
         # asked by the connection itself (server_config), before any task or app runs
@@ -79,7 +80,8 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
             refuse_early=refuse_early, count=app.state.metrics.failures.add,
             version=MODEL_VERSION, max_body_bytes=s.max_body_bytes,
             allowed=None if token is None else lambda path, headers: (
-                is_open(path, open_paths) or has_token(headers, token)))
+                is_open(path, open_paths) or has_token(headers, token)),
+            hold=release is not None)
     if auth_token is not None:  # outermost: no body is read for a request without the token
         app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
                            drain_bytes=s.max_body_bytes)

@@ -92,7 +92,12 @@ body; again with the batch size once the header is parsed; and once more after t
 piece of a big JSON body). `ready_s` is how long from now the request cannot be queued:
 the request joins its batch no earlier than then. The server passes the time a big JSON
 body's parse will take yet, or a few times its event loop's lag, whichever is longer
-(`dstack.runtime.serving.LAG_TURNS`).
+(`dstack.runtime.serving.LAG_TURNS`). With `hold=True` (the server's check of a header)
+a request it lets through counts as queued, one item, until `release(model)` (when it
+comes back with its body read) or until its SLO has gone by: without that, requests
+whose headers passed while others' bodies were still being read were refused only once
+their own bodies had been read too (120 a second at 4x load on one core, against 2 with
+holds; measured in docs/reliability.md).
 
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
@@ -328,6 +333,10 @@ class _Model:
     # if any of the batches before it, or its own, runs long.
     margin: cython.double
     unserved: object  # why the policy does not serve it (str), or None
+    # Requests let through by `refuse_early(hold=True)` (the server's check of a header)
+    # and not yet back (`release`) to be admitted: when each hold lapses (its SLO after
+    # it was taken), oldest first. Admission counts them as queued, one item each.
+    holds: list
     # Its lane mates (`Policy.lane_mates`): their positions, and for each which of its
     # work goes before a batch of this model (a `Precedence`).
     mates: list
@@ -363,6 +372,7 @@ class _Model:
         self.counters = Counters()
         self.estimate = estimate
         self.unserved = None
+        self.holds = []
         self.mates = []
         self.mate_kinds = []
         self.dirty = True
@@ -583,11 +593,13 @@ class _Core:
         return t
 
     def refuse_early(self, model: str, n: int, now: float, since_s: float = 0.0,
-                     ready_s: float = 0.0) -> Refusal | None:
+                     ready_s: float = 0.0, hold: bool = False) -> Refusal | None:
         """`admit`'s refusal for a request of `n` items, received `since_s` ago, that can
         be queued `ready_s` from now (its body still to be parsed), without queuing it:
         the Refusal (counted, as `admit` counts one), or None when `admit` would queue it
-        (nothing counted: the request is admitted, and counted, by `admit` later)."""
+        (nothing counted: the request is admitted, and counted, by `admit` later). `hold`:
+        a request let through is counted as queued until it comes back (`release`), or
+        its SLO has gone by: requests whose headers pass while its body is read see it."""
         i: cython.Py_ssize_t
         group = self.groups.get(model) if self.groups else None
         i = self.index[model] if group is None else self._route(group)
@@ -600,7 +612,34 @@ class _Core:
         r = self._check(st, t, model, now, now + ready_s if ready_s > 0 else now)
         if r is not None:
             st.counters.arrived += 1
+        elif hold:
+            st.holds.append(now + st.slo_s)
         return r
+
+    def release(self, model: str) -> None:
+        """A request let through by `refuse_early(hold=True)` is back (to be admitted or
+        refused, or gone): its hold ends (a model served by replicas: the hold of the
+        replica with the most)."""
+        i = self.index.get(model)
+        if i is None:
+            return
+        group = self.groups.get(model) if self.groups else None
+        if group is not None:
+            i = max(group, key=lambda j: len(self._m[j].holds))
+        st: _Model = self._m[i]
+        if st.holds:
+            del st.holds[0]
+
+    @cython.cfunc
+    def _held(self, st: _Model, now: cython.double) -> cython.Py_ssize_t:
+        """The model's holds that have not lapsed (those that have are dropped)."""
+        holds: list = st.holds
+        k: cython.Py_ssize_t = 0
+        while k < len(holds) and holds[k] < now:
+            k += 1
+        if k:
+            del holds[:k]
+        return len(holds)
 
     @cython.cfunc
     def _check(self, st: _Model, t: Ticket, model: str, now: cython.double,
@@ -608,9 +647,10 @@ class _Core:
         """The Refusal of ticket `t` (not queued yet, and not before `ready`) by the
         admission rules, or None."""
         k: cython.longlong = t.n
-        if st.items + k > st.max_queue:
+        queued: cython.longlong = st.items + (self._held(st, now) if st.holds else 0)
+        if queued + k > st.max_queue:
             return self._refusal(st, t, RefusalReason.QUEUE_FULL,
-                                 f"model {model}: queue is full ({st.items} items waiting, "
+                                 f"model {model}: queue is full ({queued} items waiting, "
                                  f"max_queue {st.spec.max_queue}); retry later")
         why = st.unserved
         if why is not None:
@@ -645,7 +685,7 @@ class _Core:
                 cap = st.max_batch
             if cap < 1:
                 cap = 1
-            ahead: cython.longlong = st.items
+            ahead: cython.longlong = queued
             full_batches: cython.longlong = ahead // cap
             own: cython.longlong = ahead % cap + k
             if own > cap:
@@ -813,7 +853,7 @@ class _Core:
         st: _Model
         for i in group:
             st = self._m[i]
-            key = 2 * st.items + (1 if st.running else 0)
+            key = 2 * (st.items + len(st.holds)) + (1 if st.running else 0)
             if st.unserved is not None:  # left out of the plan: it would refuse
                 key += _UNSERVED_KEY
             if best < 0 or key < best_key:

@@ -488,19 +488,25 @@ class Runtime:
         err.logged = True  # once per restart, when it ends (`_restart_ended`)
         raise err
 
-    def refuse_early(self, model: str, since_s: float = 0.0) -> None:
+    def refuse_early(self, model: str, since_s: float = 0.0, hold: bool = False) -> None:
         """Raise what a one-item request for `model`, received `since_s` ago, would be
         refused with now (`check_admission`'s 503s; the dispatch core's 429 when even one
         item would be refused: queue full, unplanned, work ahead, its deadline gone by),
         counted as such a refusal. The server asks this before reading a request's body
         (`server.early`), and again while a big body arrives: under overload a refusal then
         costs no body. Returns when the request may go on (it is admitted, or refused on
-        its real size, by `infer`)."""
+        its real size, by `infer`). `hold`: until `release(model)`, the request counts as
+        queued (`DispatchCore.refuse_early`)."""
         self.check_admission(model)
-        self.check_batch(model, 1, since_s)
+        self.check_batch(model, 1, since_s, hold=hold)
+
+    def release(self, model: str) -> None:
+        """A request let through by `refuse_early(model, hold=True)` is back."""
+        if self.core is not None:
+            self.core.release(model)
 
     def check_batch(self, model: str, n: int, since_s: float = 0.0,
-                    ready_s: float = 0.0) -> None:
+                    ready_s: float = 0.0, *, hold: bool = False) -> None:
         """Raise the dispatch core's refusal (429) of a request of `n` items for `model`,
         received `since_s` ago and ready to queue `ready_s` from now, counted as `infer`
         counts one, without queuing it; return when it would be admitted (`infer` then
@@ -513,7 +519,7 @@ class Runtime:
             return  # not ready: `infer` says so
         now = self._clock()
         got = core.refuse_early(model, n, now, since_s,
-                                max(ready_s, LAG_TURNS * self.loop_lag_s))
+                                max(ready_s, LAG_TURNS * self.loop_lag_s), hold)
         if got is not None:
             if self.replanner is not None:
                 self.replanner.record(model, now)  # demand: counted as `infer` counts it

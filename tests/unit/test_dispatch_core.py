@@ -657,3 +657,21 @@ def test_a_low_tier_request_is_refused_while_its_lane_has_no_time_for_it() -> No
     assert isinstance(r, Refusal) and "(a) take 95% of it or more" in r.message
     light = lane_outcomes(one_lane(low=(B,)), 50.0, 10.0)
     assert light[B]["served"] >= 0.9 * sum(light[B].values())
+
+
+def test_a_request_let_through_with_a_hold_counts_as_queued_until_released_or_lapsed() -> None:
+    """The server checks a request at its header, then reads its body, then admits it;
+    a hold keeps its place meanwhile. Twenty at one instant: without holds every one
+    passes (nothing is queued yet); with them, those the queue has room for pass and the
+    rest are refused. A release gives a place back; a hold not given back lapses after
+    the SLO."""
+    core = core_for(estimates={A: trusted(0.01, 0.005)})  # a batch of 4: 30 ms; SLO 100 ms
+    assert all(core.refuse_early(A, 1, 0.0) is None for _ in range(20))
+    passed = [core.refuse_early(A, 1, 0.0, hold=True) is None for _ in range(20)]
+    assert 4 <= sum(passed) < 20 and passed.index(False) == sum(passed)
+    r = core.refuse_early(A, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    core.release(A)
+    assert core.refuse_early(A, 1, 0.0) is None
+    assert core.refuse_early(A, 1, 0.101) is None  # the holds lapsed with the SLO
+    core.release("no such model")  # nothing to give back: ignored
