@@ -623,10 +623,13 @@ class _Core:
         i = self.index.get(model)
         if i is None:
             return
-        group = self.groups.get(model) if self.groups else None
-        if group is not None:
-            i = max(group, key=lambda j: len(self._m[j].holds))
         st: _Model = self._m[i]
+        other: _Model
+        group = self.groups.get(model) if self.groups else None
+        for j in group or ():
+            other = self._m[j]
+            if len(other.holds) > len(st.holds):
+                st = other
         if st.holds:
             del st.holds[0]
 

@@ -181,3 +181,17 @@ def test_replica_count_is_the_workers_the_rate_needs_where_the_wait_fits() -> No
     assert wanted(cfg, profiles) == {"alexnet": 2}
     assert wanted(cfg.model_copy(update={"models": [cfg.models[0].model_copy(
         update={"rate_rps": 300.0})]}), profiles) == {"alexnet": 1}
+
+
+def test_a_hold_taken_for_a_served_model_is_given_back_to_its_replica() -> None:
+    """`refuse_early(hold=True)` for a model served by replicas holds a place on one of
+    them (the idle one first, as `admit` routes); `release` gives it back there."""
+    core = replica_core()
+    for _ in range(2):
+        assert core.refuse_early("a", 1, 0.0, hold=True) is None
+    t = core.admit("a", 1, 0.0)  # both replicas hold one: it goes to either
+    assert isinstance(t, Ticket)
+    core.release("a")
+    core.release("a")
+    t2 = core.admit("a", 1, 0.0)  # the holds are gone: the replica with nothing queued
+    assert isinstance(t2, Ticket) and t2.model != t.model
