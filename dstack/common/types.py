@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,34 @@ class Profile:
         d["batch_sizes"] = list(self.batch_sizes)
         d["percentages"] = list(self.percentages)
         return d
+
+    def on_cores(self, n: int) -> Profile:
+        """This CPU profile as a server with only `n` of the profiled device's cores sees
+        it: the cells of slices of at most `n` cores, each at its share of those `n`
+        (a 1-core cell of a 2-core profile is 100% of a 1-core server; the 2-core cells go).
+        Without it a server pinned to one core planned its 100% lane with the latencies of
+        two cores: half what its batches took (measured in docs/reliability.md). Itself
+        for a non-CPU profile, or for `n` at or above the profiled cores (the cells then
+        reach only part of the device, and what is beyond the largest is read as it)."""
+        total = self.device.units
+        if self.device.kind != "cpu" or n >= total or n < 1:
+            return self
+
+        def units(percent: float, c: Cell | None = None) -> int:
+            if c is not None and c.units:
+                return c.units
+            return max(1, math.ceil(percent * total / 100 - 1e-6))
+
+        kept = tuple(replace(c, percent=100.0 * units(c.percent, c) / n,
+                             requested_percent=None, units=units(c.percent, c))
+                     for c in self.cells if units(c.percent, c) <= n)
+        if not kept:
+            return self
+        return replace(
+            self, device=replace(self.device, units=n), cells=kept,
+            percentages=tuple(sorted({c.percent for c in kept})),
+            knee={b: 100.0 * min(n, units(p)) / n for b, p in self.knee.items()},
+            provenance=f"{self.provenance} (on {n} of its {total} cores)".strip())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "profile") -> Profile:

@@ -126,6 +126,8 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     keeps the workers it has); default: chosen here for `dstack`, one for the others."""
     if profiles is None:
         profiles = served_profiles(cfg)
+    if backend.kind == "cpu":  # a server given fewer cores than were profiled
+        profiles = {k: p.on_cores(backend.total_units) for k, p in profiles.items()}
     counts = {m.name: 1 for m in cfg.models}
     if cfg.policy is PolicyName.DSTACK and profiles:
         counts = dict(replicas) if replicas is not None else replica_counts(cfg, profiles,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from dstack.common.config import DeployConfig, PolicyName, parse_config
-from dstack.common.slices import MpsSlices
+from dstack.common.slices import CpuSlices, MpsSlices
 from dstack.policies.planning import REPLAN_GAIN, replan, served_profiles, setup_policy
 from dstack.simulate import generate, simulate
 
@@ -55,3 +57,30 @@ def test_the_simulator_replans_during_a_burst_as_the_server_would() -> None:
     # resnet50's burst is served better with the plan grown for it
     assert on.reports[0].per_model_goodput_rps["resnet50"] \
         > off.reports[0].per_model_goodput_rps["resnet50"]
+
+
+def test_a_server_given_fewer_cores_than_were_profiled_plans_with_their_latencies() -> None:
+    """The CPU mix was profiled on 2 cores. A server with one of them (taskset, a container's
+    cpuset) must plan its one-core lane with the one-core cells, not the two-core ones."""
+    cfg = parse_config({
+        "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
+        "models": [{"name": "mobilenet_v3_small", "slo_ms": 60, "max_batch_size": 8,
+                    "rate_rps": 20},
+                   {"name": "resnet18", "slo_ms": 250, "max_batch_size": 8, "rate_rps": 5}]})
+    profiles = served_profiles(cfg, check_device=False)
+    one = profiles["resnet18"].on_cores(1)
+    assert one.device.units == 1 and one.percentages == (100.0,)
+    assert one.latency_ms(2, 100.0) == profiles["resnet18"].latency_ms(2, 50.0)
+    assert profiles["resnet18"].on_cores(2) is profiles["resnet18"]
+
+    setup = setup_policy(cfg, CpuSlices((0,)), origin=0.0, profiles=profiles)
+    assert setup.plan is not None
+    lane = setup.plan.lanes[0]
+    assert lane.percent == 100.0 and lane.units == (0,)
+    # its round is what the two models' batches take on one core
+    expect = sum(profiles[m].latency_ms(b, 50.0)
+                 for m, b in zip(lane.models, lane.caps, strict=True))
+    assert lane.round_ms == pytest.approx(expect * 1.1, rel=1e-6)  # the planning margin
+    est = setup.estimates["mobilenet_v3_small"]
+    one_core_ms = profiles["mobilenet_v3_small"].latency_ms(1, 50.0)
+    assert est.estimate_s(1) * 1000 == pytest.approx(one_core_ms, rel=0.05)
