@@ -64,8 +64,12 @@ from dstack.common.config import DeployConfig
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
 
-MIX = {"dstack": ROOT / "configs/bench-mix-dstack.yaml",
-       "spatial": ROOT / "configs/bench-mix-spatial.yaml"}
+#: The two-model mixes, per `--mix`: `cpu` (this machine's cores as slices) and `h100`
+#: (MPS slices of an NVIDIA H100, the overload scenario only).
+MIXES = {"cpu": "configs/bench-mix-{}.yaml", "h100": "configs/bench-mix-h100-{}.yaml"}
+MIX = {p: ROOT / MIXES["cpu"].format(p) for p in ("dstack", "spatial")}
+#: Processes the overload scenario's load is sent from (`--load-procs`).
+LOAD_PROCS = 1
 TINY = ROOT / "configs/bench-single-tiny_cnn-shared.yaml"  # the fuzzer's target: cheap
 OUT = ROOT / "out/chaos"
 Row = dict[str, Any]
@@ -159,8 +163,8 @@ def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
     machine one noisy window moved it by 2x from run to run.)"""
     best, best_good = scales[0], -1.0
     for s in scales:
-        res = run(cl.open_loop(srv.host, {m: r * s for m, r in base.items()}, slos, seconds,
-                               seed=int(s * 10)))
+        res, _ = run(cl.open_loop_sharded(srv.host, {m: r * s for m, r in base.items()},
+                                          slos, seconds, seed=int(s * 10), procs=LOAD_PROCS))
         good = sum(t.ok for t in res.values()) / seconds
         att = min(t.ok / t.sent if t.sent else 0.0 for t in res.values())
         print(f"  calibration x{s:g}: goodput {good:.1f}/s, attainment {100 * att:.1f}% "
@@ -301,12 +305,13 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     t0 = time.monotonic()
-    res, floor = run(_with_floor(lv.srv.host, cl.open_loop(
-        lv.srv.host, rates, lv.slos, args.overload_seconds, seed=100 * rep + _times(x))))
+    (res, shards_cpu), floor = run(_with_floor(lv.srv.host, cl.open_loop_sharded(
+        lv.srv.host, rates, lv.slos, args.overload_seconds, seed=100 * rep + _times(x),
+        procs=LOAD_PROCS)))
     wall = time.monotonic() - t0
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
-    cores["load generator"] = (sum(os.times()[:2]) - load0) / wall
+    cores["load generator"] = (sum(os.times()[:2]) - load0 + shards_cpu) / wall
     lv.load_cores[x].append(cores["load generator"])
     if burner is not None:
         cores["burner"] = (cl.cpu_s(burner.pid) - burnt0) / wall
@@ -746,10 +751,17 @@ SCENARIOS = ("overload", "kill", "bodies", "slowloris", "stalled", "sigterm", "f
 
 
 def main(argv: list[str] | None = None) -> int:
-    global LOAD_NICE, HOSTILE_NICE
+    global LOAD_NICE, HOSTILE_NICE, MIX, LOAD_PROCS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--policies", nargs="*", choices=list(MIX), default=list(MIX))
+    p.add_argument("--mix", choices=list(MIXES), default="cpu",
+                   help="overload: the servers' model mix (configs/): cpu, or h100 "
+                        "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")
+    p.add_argument("--load-procs", type=int, default=1,
+                   help="overload: processes the load is sent from (a machine with cores "
+                        "to spare: one Python process cannot send thousands of 600 KB "
+                        "requests a second)")
     p.add_argument("--overload-seconds", type=float, default=10.0)
     p.add_argument("--reps", type=int, default=3, help="rounds of 1x, 2x, 4x")
     p.add_argument("--no-control", dest="control", action="store_false",
@@ -798,6 +810,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--load-cores must name some of this process's cores {host} and leave "
                     "at least one for the servers")
         args.control = False
+    if args.mix != "cpu" and set(args.only) != {"overload"}:
+        p.error(f"--mix {args.mix} runs the overload scenario only (--only overload)")
+    if args.load_procs < 1:
+        p.error("--load-procs must be at least 1")
+    MIX = {pol: ROOT / MIXES[args.mix].format(pol) for pol in MIX}
+    LOAD_PROCS = args.load_procs
     args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
     LOAD_NICE = args.load_nice
     if args.worker_nice is not None:

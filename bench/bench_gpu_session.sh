@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: environment probe, knee sweep (MPS, CUDA-graph timing), kernel traces,
-# GPU tests, shadow-gap and transfer benches, green-context probe. Each step has its own
+# GPU tests, shadow-gap and transfer benches, green-context probe; on request, the chaos
+# benchmark's overload scenario on the GPU mix (step overload: dstack and spatial side by
+# side under one MPS daemon, the load generator on the upper half of the cores; extra
+# flags in OVERLOAD_ARGS, e.g. OVERLOAD_ARGS="--capacity-scale 8"). Each step has its own
 # timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
 # usage: bash bench/bench_gpu_session.sh [STEPS]   (default: all; e.g. "sweep trace")
 set -u
@@ -54,6 +57,20 @@ fi
 if step green; then
   timeout 40 python3 bench/bench_gpu_green.py > "$OUT/logs/green.txt" 2>&1
   echo "green rc=$?" >> "$OUT/summary.txt"; tail -c 1500 "$OUT/logs/green.txt" >> "$OUT/summary.txt"; pack
+fi
+if step overload; then
+  N=$(nproc); MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)"
+  env $MPS_ENV nvidia-cuda-mps-control -d  # both servers attach to it (one daemon per GPU)
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  env $MPS_ENV timeout "${OVERLOAD_S:-480}" python3 -m bench.bench_chaos --only overload \
+    --mix h100 --load-cores $(seq -s ' ' $((N / 2)) $((N - 1))) --load-procs "${LOAD_PROCS:-4}" \
+    ${OVERLOAD_ARGS:-} > "$OUT/logs/overload.txt" 2>&1
+  echo "overload rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  echo quit | env $MPS_ENV nvidia-cuda-mps-control
+  cp out/chaos/chaos.json "$OUT/logs/overload.json" 2>/dev/null
+  tail -c 3000 out/chaos/overload-dstack.log > "$OUT/logs/overload-dstack-server.txt" 2>/dev/null
+  grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"; pack
 fi
 pack
 for f in "$P"/*.json; do python3 -m knee_profiler.cli show "$f" 2>&1 | awk '{print $1, $(NF-3)}' | tr '\n' ' '; echo; done >> "$OUT/summary.txt"

@@ -21,6 +21,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DSTACK = Path(sys.executable).with_name("dstack")
+#: How to start the CLI: the installed script, else this interpreter on the source tree
+#: (a checkout run with PYTHONPATH set, as on a lent GPU machine with nothing installed).
+DSTACK_CMD = [str(DSTACK)] if DSTACK.exists() else [sys.executable, "-m", "dstack.cli"]
 
 
 @dataclass
@@ -44,7 +47,7 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[S
     host = f"http://127.0.0.1:{port}"
     with log.open("w") as lf:
         proc = subprocess.Popen(
-            [str(DSTACK), "serve", "--config", str(config), "--host", "127.0.0.1",
+            [*DSTACK_CMD, "serve", "--config", str(config), "--host", "127.0.0.1",
              "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         wait_ready(proc, host, log, ready_timeout_s)
