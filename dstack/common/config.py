@@ -193,6 +193,12 @@ class DeployConfig(_Strict):
     """Workers get two arena halves: a batch's inputs are written into one while the batch
     before it computes from the other (on CUDA: from pinned memory, on a copy stream), and
     the next batch is sent before the last one's outputs are read. False: one half."""
+    cuda_graphs: bool = True
+    """Device cuda: each worker replays its model's forward as CUDA graphs, one per batch
+    size, as the knee profiles were timed; eager PyTorch spent ~5 ms launching kernels per
+    forward on an H100, several times the GPU's own time (dstack/runtime/graphs.py). A
+    forward that cannot be captured runs eager, with a warning. False: always eager (a
+    model whose rows interact, since a batch is padded to a captured size)."""
     worker_nice: Annotated[int, Field(ge=0, le=19)] = 10
     """Workers run this much nicer than the server (Linux `nice`): on cores the workers
     share with the server's event loop, reading requests, refusing and answering them go

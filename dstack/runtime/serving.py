@@ -163,7 +163,8 @@ class Runtime:
         self.supervisor: WorkerPool = supervisor if supervisor is not None else Supervisor(
             {m.name: (m, self.specs[m.name]) for m in cfg.models}, self.slices,
             on_change=self._poke, on_failed=self._model_failed,
-            on_restarted=self._restarted, clock=clock, worker_nice=cfg.worker_nice)
+            on_restarted=self._restarted, clock=clock, worker_nice=cfg.worker_nice,
+            cuda_graphs=cfg.cuda_graphs)
         # Requests refused because their model was restarting (503), per served model:
         # since start-up, and in the restart under way (with those that waited for it).
         self._restart_refused: dict[str, int] = {}

@@ -103,9 +103,11 @@ class Supervisor:
                  slices: SliceBackend, *, on_change: Callable[[], None],
                  on_failed: Callable[[str, DStackError], None],
                  on_restarted: Callable[[str, float, float | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, worker_nice: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, worker_nice: int = 0,
+                 cuda_graphs: bool = True) -> None:
         self.slices = slices
         self.worker_nice = worker_nice  # DeployConfig.worker_nice
+        self.cuda_graphs = cuda_graphs  # DeployConfig.cuda_graphs
         # The cores every worker starts on (its slice narrows them): this process's now,
         # before the front end confines itself to `server.cores`.
         self.cpus = available_cores()
@@ -213,6 +215,7 @@ class Supervisor:
                        **({"OMP_WAIT_POLICY": "PASSIVE"} if s.passive else {})},
             nice=self.worker_nice,
             cpus=self.cpus,
+            cuda_graphs=self.cuda_graphs,
         )
         t0 = self._clock()
         h = WorkerHandle.create(wcfg)

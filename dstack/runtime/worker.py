@@ -27,6 +27,7 @@ from dstack.common.heap import keep_heap
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import SliceSpec, enter_slice, pin_threads, thread_ids
 from dstack.common.types import ModelSpec
+from dstack.runtime.graphs import graphed_or_eager
 from dstack.runtime.messages import (
     BatchDone,
     BatchFailed,
@@ -37,7 +38,7 @@ from dstack.runtime.messages import (
     Stop,
 )
 from dstack.runtime.shm import Arena, ArenaLayout
-from dstack.runtime.upload import inputs_for
+from dstack.runtime.upload import CudaInputs, inputs_for
 
 log = logging.getLogger("dstack.runtime.worker")
 
@@ -62,6 +63,7 @@ class WorkerConfig:
     # not those the front end confines itself to later (`server.cores`), which the
     # process it was spawned from has. (): where it was spawned.
     cpus: tuple[int, ...] = ()
+    cuda_graphs: bool = True  # CUDA: the forward replayed as graphs (dstack/runtime/graphs.py)
 
 
 # --------------------------------------------------------------------------- child side
@@ -119,12 +121,16 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
             _check_mps_client(cfg)
         arena = Arena(cfg.layout, name=cfg.arena_name)
         upload = inputs_for(arena, device)
+        forward = model
+        if isinstance(upload, CudaInputs) and cfg.cuda_graphs:
+            forward = graphed_or_eager(model, [torch.zeros_like(d) for d in upload.dev[0]],
+                                       cfg.layout.max_batch, cfg.model)
         out_names = [r.name for r in cfg.layout.outputs]
 
         def run(n: int, half: int = 0, fresh_from: int = 0) -> None:
             xs = upload.batch(half, n, fresh_from)
             with torch.inference_mode():
-                y = model(*xs)
+                y = forward(*xs)
             upload.overlap(half)  # CUDA: the next batch's rows go up while this computes
             ys = y if isinstance(y, (tuple, list)) else (y,)
             if len(ys) != len(out_names):
