@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call: environment probe, knee sweep (MPS, CUDA-graph timing), kernel traces,
-# GPU tests, shadow-gap and transfer benches, green-context probe; on request, the chaos
-# benchmark's overload scenario on the GPU mix (step overload: dstack and spatial side by
-# side under one MPS daemon, the load generator on the upper half of the cores; extra
-# flags in OVERLOAD_ARGS, e.g. OVERLOAD_ARGS="--capacity-scale 8"). Each step has its own
+# GPU tests, shadow-gap and transfer benches, green-context probe; on request: graphs
+# (bench/bench_gpu_graphs.py: CUDA graphs against eager, side by side), frontend (the HTTP
+# front end's CPU per request and per refusal on this host's CPU) and overload (the chaos
+# benchmark's overload scenario on the GPU mix: dstack and spatial side by side, the load
+# generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
+# OVERLOAD_ARGS="--capacity-scale 8"). Servers share one MPS daemon. Each step has its own
 # timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
 # usage: bash bench/bench_gpu_session.sh [STEPS]   (default: all; e.g. "sweep trace")
 set -u
@@ -58,16 +60,32 @@ if step green; then
   timeout 40 python3 bench/bench_gpu_green.py > "$OUT/logs/green.txt" 2>&1
   echo "green rc=$?" >> "$OUT/summary.txt"; tail -c 1500 "$OUT/logs/green.txt" >> "$OUT/summary.txt"; pack
 fi
+# One MPS daemon per GPU: the servers of a step attach to it (CUDA_MPS_PIPE_DIRECTORY).
+mps_start() { MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)"
+  env $MPS_ENV nvidia-cuda-mps-control -d; }
+mps_stop() { echo quit | env $MPS_ENV nvidia-cuda-mps-control; }
+if step graphs; then
+  mps_start
+  env $MPS_ENV timeout "${GRAPHS_S:-150}" python3 -m bench.bench_gpu_graphs ${GRAPHS_ARGS:-} \
+    > "$OUT/logs/graphs.txt" 2>&1
+  echo "graphs rc=$?" >> "$OUT/summary.txt"; grep '^x' "$OUT/logs/graphs.txt" >> "$OUT/summary.txt"
+  mps_stop; pack
+fi
+if step frontend; then
+  { timeout 90 python3 -m bench.frontend_cost --reps 3 | tail -1
+    timeout 90 python3 -m bench.bench_chaos --only refusal-cost | grep -i 'refusal cost'; } \
+    > "$OUT/logs/frontend.txt" 2>&1
+  echo "frontend rc=$?" >> "$OUT/summary.txt"; cat "$OUT/logs/frontend.txt" >> "$OUT/summary.txt"
+fi
 if step overload; then
-  N=$(nproc); MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)"
-  env $MPS_ENV nvidia-cuda-mps-control -d  # both servers attach to it (one daemon per GPU)
+  N=$(nproc); mps_start
   t0=$(date +%s)
   # shellcheck disable=SC2086
   env $MPS_ENV timeout "${OVERLOAD_S:-480}" python3 -m bench.bench_chaos --only overload \
     --mix h100 --load-cores $(seq -s ' ' $((N / 2)) $((N - 1))) --load-procs "${LOAD_PROCS:-4}" \
     ${OVERLOAD_ARGS:-} > "$OUT/logs/overload.txt" 2>&1
   echo "overload rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
-  echo quit | env $MPS_ENV nvidia-cuda-mps-control
+  mps_stop
   cp out/chaos/chaos.json "$OUT/logs/overload.json" 2>/dev/null
   tail -c 3000 out/chaos/overload-dstack.log > "$OUT/logs/overload-dstack-server.txt" 2>/dev/null
   grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"; pack
