@@ -59,6 +59,20 @@ class TinyCNN(nn.Module):
         return self.fc(torch.flatten(self.features(x), 1))
 
 
+class PoolLinear(nn.Module):
+    """An image classifier that costs next to nothing (average pool, one linear layer) on
+    the 3x224x224 inputs of the real ones: a load whose bottleneck is the server itself,
+    its HTTP front end and dispatch, as when the models run on a GPU
+    (`bench/bench_frontend_overload.py`)."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mean(dim=(2, 3)))
+
+
 _REGISTRY: dict[str, ZooEntry] = {}
 
 
@@ -90,6 +104,7 @@ def _register_defaults() -> None:
             DEFAULT_MAX_BATCH,
         ),
     )
+    register("pool_linear", PoolLinear, _image_spec("pool_linear"))
     for name, fn in _torchvision_classifiers().items():
         # inception_v3/googlenet would add aux heads and try to fetch nothing, but their
         # eval-mode output is the plain logits; init_weights=False keeps build time down.

@@ -1,0 +1,77 @@
+"""Overload of a server whose front end is the bottleneck: `python -m
+bench.bench_frontend_overload [--rate 300] [--levels 1,2,4,8] [--seconds 6] [--reps 3]`.
+
+`configs/bench-frontend.yaml` (pool_linear: 600 KB inputs, next to no compute, a 20 ms
+SLO) served by `dstack serve` on the first of this process's cores, the open-loop load
+(`bench.chaos_load.open_loop_sharded`) on the others, as on a GPU host where the workers
+need little CPU and one Python process reads, refuses and answers every request. Each round
+runs every level (a multiple of `--rate` requests a second) in turn; printed per level:
+goodput within SLO (median over the rounds) and against level 1, the share of accepted
+requests answered within SLO, the p99 time to a refusal, and the server's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from bench import chaos_load as cl
+from bench.servers import ROOT, serving
+from dstack.common.slices import available_cores, pin_threads
+
+CONFIG = ROOT / "configs/bench-frontend.yaml"
+MODEL, SLO_MS = "pool_linear", 20.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=300.0, help="level 1, requests a second")
+    p.add_argument("--levels", type=lambda v: [float(x) for x in v.split(",")],
+                   default=[1.0, 2.0, 4.0, 8.0])
+    p.add_argument("--seconds", type=float, default=6.0, help="per window")
+    p.add_argument("--reps", type=int, default=3, help="rounds of every level")
+    p.add_argument("--load-procs", type=int, default=1)
+    args = p.parse_args(argv)
+    cores = available_cores()
+    if len(cores) < 2:
+        p.error("needs two cores: one for the server, the rest for the load")
+    (ROOT / "out").mkdir(exist_ok=True)
+    good: dict[float, list[float]] = {x: [] for x in args.levels}
+    total = {x: cl.Tally() for x in args.levels}
+    used = {x: 0.0 for x in args.levels}
+    pin_threads(cores[:1])  # the server and its worker start there
+    try:
+        with serving(CONFIG, ROOT / "out/frontend-overload.log") as srv:
+            pin_threads(cores[1:])
+            asyncio.run(cl.open_loop(srv.host, {MODEL: 50.0}, {MODEL: SLO_MS}, 2.0))  # warm
+            for rep in range(args.reps):
+                for x in args.levels:
+                    cpu0, t0 = cl.cpu_s(srv.pid), time.monotonic()
+                    res, _ = asyncio.run(cl.open_loop_sharded(
+                        srv.host, {MODEL: args.rate * x}, {MODEL: SLO_MS}, args.seconds,
+                        seed=100 * rep + int(x), procs=args.load_procs))
+                    used[x] += (cl.cpu_s(srv.pid) - cpu0) / (time.monotonic() - t0) / args.reps
+                    t = res[MODEL]
+                    total[x].add(t)
+                    good[x].append(t.ok / args.seconds)
+                    print(f"  round {rep + 1} x{x:g}: goodput {good[x][-1]:.1f}/s, sent {t.sent}, "
+                          f"refused {dict(t.refused)}, hung {t.hung}", flush=True)
+    finally:
+        pin_threads(cores)
+    one = good[args.levels[0]]
+    print(f"\nlevel  offered  goodput/s  vs {args.levels[0]:g}x (rounds)        accepted in SLO  "
+          "refusal p99  server cores")
+    for x in args.levels:
+        t = total[x]
+        ratios = [g / o if o else float("nan") for g, o in zip(good[x], one, strict=True)]
+        print(f"x{x:<5g}{args.rate * x:8.0f}  {statistics.median(good[x]):9.1f}  "
+              f"{statistics.median(ratios):5.2f} {[round(r, 2) for r in ratios]!s:17}  "
+              f"{100 * t.ok / t.accepted if t.accepted else float('nan'):14.1f}%  "
+              f"{cl.pct(t.refusal_ms, 99):8.1f} ms  {used[x]:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
