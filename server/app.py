@@ -193,6 +193,8 @@ def create_app(
     # (model, n, since_s, ready_s): see `Runtime.check_batch`.
     check_batch: Callable[[str, int, float, float], None] | None = getattr(
         backend, "check_batch", None)
+    # (model, seconds from the first byte to the whole body): see `Runtime.observe_body`.
+    observe_body: Callable[[str, float], None] | None = getattr(backend, "observe_body", None)
     # A request let through at its header with a hold on the queue (server.early.HELD)
     # gives it back here, just before its real batch is checked.
     release: Callable[[str], None] | None = getattr(backend, "release", None)
@@ -330,6 +332,8 @@ def create_app(
         received = request.scope.get(RECEIVED_AT) or time.monotonic()
         check_admission(model)  # before the body is read
         body = await read_body(request, max_body_bytes)
+        if observe_body is not None:
+            observe_body(model, time.monotonic() - received)
         head = codec.parse_request(body, request.headers.get(codec.HEADER_LENGTH), spec)
         held = request.scope.pop(HELD, None)
         if held is not None and release is not None:

@@ -739,7 +739,7 @@ class _Core:
             if finish > t.deadline:
                 st.est_refused = True
                 parse: str = (f" (its body takes about {1000 * (ready - now):.0f} ms more to "
-                              "parse, or the server's loop that long to get to it)"
+                              "arrive or parse, or the server's loop that long to get to it)"
                               ) if ready - now >= 0.0005 else ""
                 first: str = (f" (and {1000 * mates_s:.1f} ms of work of the models that "
                               f"share its slice before it)") if mates_s > 0 else ""

@@ -80,3 +80,36 @@ def test_requests_are_refused_at_the_header_while_the_loop_runs_late() -> None:
             await rt.stop()
 
     asyncio.run(main())
+
+
+def test_a_check_before_the_body_counts_the_time_bodies_take_to_arrive() -> None:
+    """Bodies that take most of the SLO to read: a request is refused at its header (no
+    body read) rather than let through and refused, or answered late, once its body is
+    in; when bodies come fast again, requests are let through again."""
+    cfg = parse_config({"models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100,
+                                    "max_batch_size": 4}]})
+
+    async def main() -> None:
+        rt = Runtime(cfg)
+        await rt.start()
+        transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 22))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                         timeout=60) as http:
+                for _ in range(5):  # a trusted estimate; each body read in well under 1 ms
+                    assert (await _post(http)).status_code == 200
+                rt.refuse_early("tiny")
+                for _ in range(40):  # then bodies take 120 ms of the 100 ms SLO to come
+                    rt.observe_body("tiny", 0.12)
+                with pytest.raises(DeadlineRefused) as refused:
+                    rt.refuse_early("tiny")
+                assert refused.value.rule == "work_ahead"
+                assert "more to arrive or parse" in refused.value.message
+                rt.check_batch("tiny", 1)  # the same request with its body in: admitted
+                for _ in range(60):
+                    assert (await _post(http)).status_code == 200  # fast bodies again
+                rt.refuse_early("tiny")
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
