@@ -80,14 +80,21 @@ LAG_TICK_S = 0.01
 #: busy moment. Over time, not per sample: a loop 250 ms behind samples only 4 times a
 #: second (docs/reliability.md, "Overload, eleventh step").
 LAG_TAU_S = 1.0
-#: A request not admitted yet still goes through the loop this many times before it is
-#: answered, each time behind what the loop has ready then (the rest of its body, its
-#: batch's launch, the batch's end, its answer): the checks before admission count it as
-#: ready to queue this many lags from now.
-LAG_TURNS = 3
+#: A request not admitted yet still waits for the loop once more before it is queued,
+#: behind what the loop has ready then: the checks before admission count it as ready to
+#: queue this many lags from now, after the rest of its body (`Runtime.body_s`, measured).
+#: Its batch's launch and end and its answer wait for the loop too, but the dispatch core
+#: measures those (`overhead_s`, `delivery_s`). 3 until the body's time was measured,
+#: when the lag stood in for the body as well (docs/reliability.md, "Overload on an H100").
+LAG_TURNS = 1
 #: How far each body read moves a model's estimate of how long its bodies take to read
 #: (`Runtime.observe_body`): a running mean over about the last 1 / BODY_ALPHA requests.
 BODY_ALPHA = 0.1
+#: ... which fades with this time constant while no body is read: bodies slow enough to
+#: refuse every request at its header are never read again, and without the fading that
+#: estimate held: a server at a tenth of its capacity refused every request, the load of
+#: 8x gone for seconds (docs/reliability.md, "Overload on an H100").
+BODY_TAU_S = 1.0
 
 
 @dataclass(eq=False, slots=True)
@@ -194,8 +201,9 @@ class Runtime:
         self.loop_lag_s = 0.0
         self._lag_watch: asyncio.Task[None] | None = None
         # Per model: how long from a request's first byte until its body had been read
-        # (`observe_body`), which a check before the body counts as still to come.
-        self._body_s: dict[str, float] = {}
+        # (`observe_body`), which a check before the body counts as still to come; and
+        # when that was last measured.
+        self._body_s: dict[str, tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -513,14 +521,23 @@ class Runtime:
         front end's capacity, 2,249 of the 2,495 let through; docs/reliability.md,
         "Overload on an H100")."""
         self.check_admission(model)
-        body_rest_s = max(0.0, self._body_s.get(model, 0.0) - since_s)
+        body_rest_s = max(0.0, self.body_s(model) - since_s)
         self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
                          hold=hold)
 
+    def body_s(self, model: str) -> float:
+        """How long `model`'s bodies take to read, from the first byte: the running mean of
+        `observe_body`, faded by the time since the last (BODY_TAU_S)."""
+        got = self._body_s.get(model)
+        if got is None:
+            return 0.0
+        mean, at = got
+        return mean * math.exp(-max(0.0, self._clock() - at) / BODY_TAU_S)
+
     def observe_body(self, model: str, seconds: float) -> None:
         """A request for `model` had its whole body `seconds` after its first byte."""
-        prev = self._body_s.get(model)
-        self._body_s[model] = seconds if prev is None else prev + BODY_ALPHA * (seconds - prev)
+        prev = self.body_s(model) if model in self._body_s else seconds
+        self._body_s[model] = (prev + BODY_ALPHA * (seconds - prev), self._clock())
 
     def release(self, model: str) -> None:
         """A request let through by `refuse_early(model, hold=True)` is back."""

@@ -85,7 +85,8 @@ def test_requests_are_refused_at_the_header_while_the_loop_runs_late() -> None:
 def test_a_check_before_the_body_counts_the_time_bodies_take_to_arrive() -> None:
     """Bodies that take most of the SLO to read: a request is refused at its header (no
     body read) rather than let through and refused, or answered late, once its body is
-    in; when bodies come fast again, requests are let through again."""
+    in; when bodies come fast again, or none has been read for a couple of seconds,
+    requests are let through again."""
     cfg = parse_config({"models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100,
                                     "max_batch_size": 4}]})
 
@@ -108,6 +109,14 @@ def test_a_check_before_the_body_counts_the_time_bodies_take_to_arrive() -> None
                 rt.check_batch("tiny", 1)  # the same request with its body in: admitted
                 for _ in range(60):
                     assert (await _post(http)).status_code == 200  # fast bodies again
+                rt.refuse_early("tiny")
+                # Slow bodies again, then none read: refusing at the header reads no body,
+                # so the estimate fades by itself and the model is let through once more.
+                for _ in range(40):
+                    rt.observe_body("tiny", 0.12)
+                with pytest.raises(DeadlineRefused):
+                    rt.refuse_early("tiny")
+                await asyncio.sleep(2.0)
                 rt.refuse_early("tiny")
         finally:
             await rt.stop()
