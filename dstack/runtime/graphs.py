@@ -2,10 +2,10 @@
 
 Why: eager PyTorch launches every kernel from Python. On the H100 of docs/gpu.md a
 forward of mobilenet_v3_large or resnet50 took about 5 ms eager at any batch size from 1
-to 32 (the CPU launching ~200 kernels), against 0.66 and 1.19 ms at batch 1 replayed as a
-graph, which is how the knee profiles are timed. Served eager, each model ran a seventh as
-many batches as its plan counted on, and its plan's batch of one refused most requests
-(docs/reliability.md, "Overload on an H100").
+to 32 (the CPU launching ~200 kernels), against 0.66 and 1.19 ms at batch 1 on a 50% MPS
+slice replayed as a graph, which is how the knee profiles are timed. Served eager, a batch
+took 7-8 ms against the plan's 0.7-1.2, and the plan's batches of one refused most requests
+(docs/gpu.md, section 6).
 
 How: the forward is captured once per batch size in `graph_sizes` (every size up to
 `DENSE_UP_TO`, then every `STEP`-th, and the largest), largest first, all graphs sharing
@@ -60,7 +60,6 @@ class GraphedForward:
     def __init__(self, model: Callable[..., Any], example: Sequence[Any], max_batch: int) -> None:
         import torch
 
-        self._torch = torch
         self.sizes = graph_sizes(max_batch)
         self._graphs: dict[int, tuple[Any, list[Any], tuple[Any, ...]]] = {}
         pool = torch.cuda.graph_pool_handle()

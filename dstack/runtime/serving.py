@@ -87,14 +87,15 @@ LAG_TAU_S = 1.0
 #: measures those (`overhead_s`, `delivery_s`). 3 until the body's time was measured,
 #: when the lag stood in for the body as well (docs/reliability.md, "Overload on an H100").
 LAG_TURNS = 1
-#: How far each body read moves a model's estimate of how long its bodies take to read
-#: (`Runtime.observe_body`): a running mean over about the last 1 / BODY_ALPHA requests.
-BODY_ALPHA = 0.1
+#: A model's bodies take the median of its last BODY_READS reads to arrive
+#: (`Runtime.observe_body`): with the server and its workers on one core, mobilenet's
+#: bodies took 1.3 ms at the median and 174 ms at the 99th percentile, and a running mean
+#: moved with that tail (docs/reliability.md, "Overload on an H100", what was tried).
+BODY_READS = 31
 #: ... which fades with this time constant while no body is read: bodies slow enough to
 #: refuse every request at its header are never read again, and without the fading that
-#: estimate held: a server at a tenth of its capacity refused every request, the load of
-#: 8x gone for seconds (docs/reliability.md, "Overload on an H100").
-BODY_TAU_S = 1.0
+#: estimate held: after a window at 8x its capacity, a server refused every request at 1x.
+BODY_TAU_S = 0.25
 
 
 @dataclass(eq=False, slots=True)
@@ -201,8 +202,9 @@ class Runtime:
         self.loop_lag_s = 0.0
         self._lag_watch: asyncio.Task[None] | None = None
         # Per model: how long from a request's first byte until its body had been read
-        # (`observe_body`), which a check before the body counts as still to come; and
-        # when that was last measured.
+        # (`observe_body`): the last BODY_READS of them, their median (which a check before
+        # the body counts as still to come) and when the last was measured.
+        self._body_reads: dict[str, deque[float]] = {}
         self._body_s: dict[str, tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -517,8 +519,8 @@ class Runtime:
         model's recent bodies took `observe_body`'s mean to read) and the loop has then
         got to it `LAG_TURNS` times: a loop short of CPU reads a 600 KB body in several
         turns, and without the body's time a check at the header let through requests
-        that the check after the body refused, each body read for nothing (at 8x a
-        front end's capacity, 2,249 of the 2,495 let through; docs/reliability.md,
+        that the check after the body refused, each body read for nothing (2,249 of
+        2,495 at 2,400 rps, four times a front end's capacity; docs/reliability.md,
         "Overload on an H100")."""
         self.check_admission(model)
         body_rest_s = max(0.0, self.body_s(model) - since_s)
@@ -526,18 +528,19 @@ class Runtime:
                          hold=hold)
 
     def body_s(self, model: str) -> float:
-        """How long `model`'s bodies take to read, from the first byte: the running mean of
-        `observe_body`, faded by the time since the last (BODY_TAU_S)."""
+        """How long `model`'s bodies take to read, from the first byte: the median of its
+        last `observe_body`s, faded by the time since the last (BODY_TAU_S)."""
         got = self._body_s.get(model)
         if got is None:
             return 0.0
-        mean, at = got
-        return mean * math.exp(-max(0.0, self._clock() - at) / BODY_TAU_S)
+        median, at = got
+        return median * math.exp(-max(0.0, self._clock() - at) / BODY_TAU_S)
 
     def observe_body(self, model: str, seconds: float) -> None:
         """A request for `model` had its whole body `seconds` after its first byte."""
-        prev = self.body_s(model) if model in self._body_s else seconds
-        self._body_s[model] = (prev + BODY_ALPHA * (seconds - prev), self._clock())
+        reads = self._body_reads.setdefault(model, deque(maxlen=BODY_READS))
+        reads.append(seconds)
+        self._body_s[model] = (sorted(reads)[len(reads) // 2], self._clock())
 
     def release(self, model: str) -> None:
         """A request let through by `refuse_early(model, hold=True)` is back."""

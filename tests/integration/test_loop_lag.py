@@ -9,7 +9,9 @@ went to nothing (docs/reliability.md, "Overload, tenth step"). /metrics shows th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import numpy as np
@@ -31,6 +33,25 @@ async def _post(http: httpx.AsyncClient) -> httpx.Response:
                            headers={codec.HEADER_LENGTH: str(hlen)})
 
 
+@contextlib.asynccontextmanager
+async def _served_tiny() -> AsyncIterator[tuple[Runtime, httpx.AsyncClient]]:
+    """tiny_cnn (100 ms SLO) served by a real runtime through the app, its estimate
+    trusted: five requests answered, each in a few ms."""
+    cfg = parse_config({"models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100,
+                                    "max_batch_size": 4}]})
+    rt = Runtime(cfg)
+    await rt.start()
+    transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 22))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=60) as http:
+            for _ in range(5):
+                assert (await _post(http)).status_code == 200
+            yield rt, http
+    finally:
+        await rt.stop()
+
+
 async def _hog(seconds: float, block_s: float) -> None:
     """Hold the loop for `block_s` at a time: what a server short of CPU looks like."""
     end = time.monotonic() + seconds
@@ -40,44 +61,32 @@ async def _hog(seconds: float, block_s: float) -> None:
 
 
 def test_requests_are_refused_at_the_header_while_the_loop_runs_late() -> None:
-    cfg = parse_config({"models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100,
-                                    "max_batch_size": 4}]})
-
     async def main() -> None:
-        rt = Runtime(cfg)
-        await rt.start()
-        transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 22))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t",
-                                         timeout=60) as http:
-                for _ in range(5):  # a trusted estimate: a batch of one takes a few ms
-                    assert (await _post(http)).status_code == 200
-                rt.refuse_early("tiny")  # an idle loop: admitted
-                time.sleep(0.3)  # a single block (the app's start-up, say) ...
+        async with _served_tiny() as (rt, http):
+            rt.refuse_early("tiny")  # an idle loop: admitted
+            time.sleep(0.3)  # a single block (the app's start-up, say) ...
+            await asyncio.sleep(0.1)
+            assert rt.loop_lag_s < 0.01  # ... says nothing of the requests after it
+            rt.refuse_early("tiny")
+            # A loop that stays 250 ms behind runs its timer 4 times a second: the mean
+            # is over time, not over samples, so it sees most of that within 2 s.
+            hog = asyncio.create_task(_hog(3.0, 0.25))
+            await asyncio.sleep(2.0)
+            assert rt.loop_lag_s > 0.15
+            with pytest.raises(DeadlineRefused) as refused:
+                rt.refuse_early("tiny")
+            assert refused.value.rule == "work_ahead"
+            assert "the server's loop that long to get to it" in refused.value.message
+            lag = samples((await http.get("/metrics")).text)["dstack_event_loop_lag_seconds"]
+            assert lag[()] > 0.15
+            await hog
+            for _ in range(80):  # the lag dies down with the loop's, within seconds
                 await asyncio.sleep(0.1)
-                assert rt.loop_lag_s < 0.01  # ... says nothing of the requests after it
-                rt.refuse_early("tiny")
-                # A loop that stays 250 ms behind runs its timer 4 times a second: the mean
-                # is over time, not over samples, so it sees most of that within 2 s.
-                hog = asyncio.create_task(_hog(3.0, 0.25))
-                await asyncio.sleep(2.0)
-                assert rt.loop_lag_s > 0.15
-                with pytest.raises(DeadlineRefused) as refused:
-                    rt.refuse_early("tiny")
-                assert refused.value.rule == "work_ahead"
-                assert "the server's loop that long to get to it" in refused.value.message
-                lag = samples((await http.get("/metrics")).text)["dstack_event_loop_lag_seconds"]
-                assert lag[()] > 0.15
-                await hog
-                for _ in range(80):  # the lag dies down with the loop's, within seconds
-                    await asyncio.sleep(0.1)
-                    if rt.loop_lag_s < 0.02:
-                        break
-                assert rt.loop_lag_s < 0.02
-                rt.refuse_early("tiny")
-                assert (await _post(http)).status_code == 200
-        finally:
-            await rt.stop()
+                if rt.loop_lag_s < 0.02:
+                    break
+            assert rt.loop_lag_s < 0.02
+            rt.refuse_early("tiny")
+            assert (await _post(http)).status_code == 200
 
     asyncio.run(main())
 
@@ -87,38 +96,26 @@ def test_a_check_before_the_body_counts_the_time_bodies_take_to_arrive() -> None
     body read) rather than let through and refused, or answered late, once its body is
     in; when bodies come fast again, or none has been read for a couple of seconds,
     requests are let through again."""
-    cfg = parse_config({"models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100,
-                                    "max_batch_size": 4}]})
-
     async def main() -> None:
-        rt = Runtime(cfg)
-        await rt.start()
-        transport = httpx.ASGITransport(app=create_app(rt, max_body_bytes=1 << 22))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t",
-                                         timeout=60) as http:
-                for _ in range(5):  # a trusted estimate; each body read in well under 1 ms
-                    assert (await _post(http)).status_code == 200
+        async with _served_tiny() as (rt, http):  # each body read in well under 1 ms
+            rt.refuse_early("tiny")
+            for _ in range(40):  # then bodies take 120 ms of the 100 ms SLO to come
+                rt.observe_body("tiny", 0.12)
+            with pytest.raises(DeadlineRefused) as refused:
                 rt.refuse_early("tiny")
-                for _ in range(40):  # then bodies take 120 ms of the 100 ms SLO to come
-                    rt.observe_body("tiny", 0.12)
-                with pytest.raises(DeadlineRefused) as refused:
-                    rt.refuse_early("tiny")
-                assert refused.value.rule == "work_ahead"
-                assert "more to arrive or parse" in refused.value.message
-                rt.check_batch("tiny", 1)  # the same request with its body in: admitted
-                for _ in range(60):
-                    assert (await _post(http)).status_code == 200  # fast bodies again
+            assert refused.value.rule == "work_ahead"
+            assert "more to arrive or parse" in refused.value.message
+            rt.check_batch("tiny", 1)  # the same request with its body in: admitted
+            for _ in range(60):
+                assert (await _post(http)).status_code == 200  # fast bodies again
+            rt.refuse_early("tiny")
+            # Slow bodies again, then none read: refusing at the header reads no body,
+            # so the estimate fades by itself and the model is let through once more.
+            for _ in range(40):
+                rt.observe_body("tiny", 0.12)
+            with pytest.raises(DeadlineRefused):
                 rt.refuse_early("tiny")
-                # Slow bodies again, then none read: refusing at the header reads no body,
-                # so the estimate fades by itself and the model is let through once more.
-                for _ in range(40):
-                    rt.observe_body("tiny", 0.12)
-                with pytest.raises(DeadlineRefused):
-                    rt.refuse_early("tiny")
-                await asyncio.sleep(2.0)
-                rt.refuse_early("tiny")
-        finally:
-            await rt.stop()
+            await asyncio.sleep(2.0)
+            rt.refuse_early("tiny")
 
     asyncio.run(main())
