@@ -516,7 +516,7 @@ class Runtime:
         queued (`DispatchCore.refuse_early`).
 
         The request is taken as ready to queue once the rest of its body has come (the
-        model's recent bodies took `observe_body`'s mean to read) and the loop has then
+        median of the model's recent `observe_body`s) and the loop has then
         got to it `LAG_TURNS` times: a loop short of CPU reads a 600 KB body in several
         turns, and without the body's time a check at the header let through requests
         that the check after the body refused, each body read for nothing (2,249 of
