@@ -517,12 +517,12 @@ class Runtime:
         queued (`DispatchCore.refuse_early`).
 
         The request is taken as ready to queue once the rest of its body has come (the
-        median of the model's recent `observe_body`s) and the loop has then
-        got to it `LAG_TURNS` times: a loop short of CPU reads a 600 KB body in several
-        turns, and without the body's time a check at the header let through requests
-        that the check after the body refused, each body read for nothing (2,249 of
-        2,495 at 2,400 rps, four times a front end's capacity; docs/reliability.md,
-        "Overload on an H100")."""
+        median of the model's recent `observe_body`s) and the loop has then got to it
+        `LAG_TURNS` times: a loop short of CPU reads a 600 KB body in several turns, and
+        without the body's time a check at the header let through requests that the
+        check after the body refused, each body read for nothing (2,249 of 2,495 at
+        2,400 rps, four times a front end's capacity; docs/reliability.md, "Overload on
+        an H100")."""
         self.check_admission(model)
         body_rest_s = max(0.0, self.body_s(model) - since_s)
         self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
