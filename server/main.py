@@ -114,7 +114,8 @@ def server_config(app: FastAPI, cfg: ServerConfig | None = None, *,
                               drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
     return uvicorn.Config(
         app,
-        http=LimitedHttpToolsProtocol.with_limits(
+        # a BufferedProtocol, which uvicorn's annotation (asyncio.Protocol) leaves out
+        http=LimitedHttpToolsProtocol.with_limits(  # type: ignore[arg-type]
             limits, getattr(app.state, "header_refusal", None)),
         log_level=log_level or cfg.log_level,
         access_log=False,  # one log line per request would cost more than decoding it

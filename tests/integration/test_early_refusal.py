@@ -298,6 +298,54 @@ def test_a_body_refused_from_its_header_may_come_in_pieces_and_the_next_request_
         backend.refusal = None
 
 
+class SlowCheckBackend(RefusingBackend):
+    """Its check of one model's header takes `stall_s` of the event loop (a busy server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stall_s = 0.0
+
+    def refuse_early(self, model: str, since_s: float = 0.0) -> None:
+        time.sleep(self.stall_s)
+        self.stall_s = 0.0
+        super().refuse_early(model, since_s)
+
+
+def test_a_body_refused_from_its_header_is_read_no_further_than_the_header(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused request's body is dropped in the kernel, not read: even when the whole
+    request is waiting in the socket by the time the server gets to it (its loop held
+    up meanwhile by another request's check), the parser is fed no more than a
+    header's read of it (it was 64 KB and more when the loop read 256 KB at a time)."""
+    from server import connection
+
+    fed: dict[int, int] = {}
+    feed = connection.LimitedHttpToolsProtocol.data_received
+
+    def counted(self: connection.LimitedHttpToolsProtocol, data: bytes) -> None:
+        fed[self.client[1]] = fed.get(self.client[1], 0) + len(data)
+        feed(self, data)
+
+    monkeypatch.setattr(connection.LimitedHttpToolsProtocol, "data_received", counted)
+    with _serving(backend=SlowCheckBackend()) as (addr, backend):
+        assert isinstance(backend, SlowCheckBackend)
+        with socket.create_connection(addr, timeout=5) as slow, \
+                socket.create_connection(addr, timeout=5) as s:
+            backend.stall_s = 0.5
+            slow.sendall(_head(len(VALID)) + VALID)  # its check holds the loop 0.5 s
+            time.sleep(0.1)
+            backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: busy")
+            s.sendall(_head(BODY) + b"0" * BODY)  # all of it in the socket meanwhile
+            assert _response(slow)[0] == 429
+            assert _response(s)[0] == 429
+            backend.refusal = None
+            s.sendall(_head(len(VALID)) + VALID)  # the connection goes on
+            assert _response(s)[0] == 200
+            port = s.getsockname()[1]
+    assert len(_head(BODY)) < fed[port] - len(_head(len(VALID)) + VALID) <= (
+        connection.HEADER_READ_BYTES)
+
+
 def test_an_accepted_body_in_pieces_reaches_the_app_whole(
         served: tuple[tuple[str, int], RefusingBackend]) -> None:
     """The pieces of an accepted body are handed on as they came (one piece as it is,
