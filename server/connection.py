@@ -104,8 +104,9 @@ _PACED_READ_BYTES = 256 << 10
 #: usual header and a small body with it, and little of a big body the header may refuse.
 HEADER_READ_BYTES = 16 << 10
 
-#: What a connection reads at once inside a body: a 600 KB image batch in one read.
-BODY_READ_BYTES = 1 << 20
+#: What a connection reads at once inside a body: what uvloop reads, so that a connection
+#: holds no more of a body than before the app has checked it against the body budget.
+BODY_READ_BYTES = 256 << 10
 
 #: `refuse_at_header(path, headers, content_length, scope)`: the status, headers and body
 #: to answer a request with from its header alone, or None to hand it to the app (with
@@ -230,8 +231,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super().shutdown()
 
     def read_size(self) -> int:
-        """How many bytes to read next (`SizedReads`): a body's worth inside one, a header's
-        otherwise, so that a body refused from its header stays in the kernel to be dropped."""
+        """How many bytes to read next (`SizedReads`): BODY_READ_BYTES inside a body,
+        HEADER_READ_BYTES otherwise, so that a body refused from its header stays in the
+        kernel to be dropped."""
         return BODY_READ_BYTES if self._reading_body else HEADER_READ_BYTES
 
     # -- parser callbacks
