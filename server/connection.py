@@ -222,6 +222,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(error_response(
             400, "malformed HTTP request: the request line, a header, the Content-Length "
                  "or the chunked framing could not be parsed"))
+        self._drop_unread()
         self.transport.close()
 
     def shutdown(self) -> None:
@@ -373,6 +374,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.flow.pause_reading()
         self._drop_some()
         return True
+
+    def _drop_unread(self) -> None:
+        """Drop, in the kernel, what the client has sent that is still unread (up to 16 MB),
+        before a close: closing a socket with unread bytes sends a reset, which can reach
+        the client before it has read the answer written just before, and destroy it.
+        (Reads of a header's size leave most of a malformed request's body unread.)"""
+        if not self._sink_ok():
+            return
+        try:
+            with socket.socket(fileno=os.dup(
+                    self.transport.get_extra_info("socket").fileno())) as sink:
+                flags = socket.MSG_TRUNC | socket.MSG_DONTWAIT
+                for _ in range(4):
+                    if sink.recv_into(_SINK, len(_SINK), flags) <= 0:
+                        return
+        except OSError:  # nothing more for now (EAGAIN), or no descriptor left for the dup
+            return
 
     def _drop_some(self) -> None:
         """Drop what has come of the body, until it ends, the pace says wait, or the

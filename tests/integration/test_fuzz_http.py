@@ -184,6 +184,26 @@ def test_unparseable_requests_get_a_json_400(wire: tuple[str, int], raw: bytes) 
     assert "malformed HTTP request" in (decode_json_error(body) or ""), body
 
 
+def test_a_malformed_request_with_a_body_behind_it_gets_its_400_and_a_clean_close(
+        wire: tuple[str, int]) -> None:
+    """The server reads a header's worth at a time, so a malformed header leaves the body
+    behind it unread; closing on unread bytes sends a reset, and a client reading the
+    answer to its end (as asyncio's `StreamReader.read()` does) lost the 400 with it.
+    The `make chaos` fuzzer had 4.4% of its requests without an answer so (1.3% before
+    reads were sized). The unread body is dropped before the close: the 400, then EOF."""
+    import socket
+
+    raw = POST + b"not a header\r\nContent-Length: 49152\r\n\r\n" + b" " * 49152
+    for _ in range(5):
+        with socket.create_connection(wire, timeout=5) as s:
+            s.sendall(raw)
+            out = b""
+            while chunk := s.recv(65536):  # ConnectionResetError: the answer may be lost
+                out += chunk
+        status, _, body = parse_status(out)
+        assert status == 400 and "malformed HTTP request" in (decode_json_error(body) or "")
+
+
 UNFRAMED = {"twice", "negative", "junk", "non-ascii header", "no colon", "bad chunk",
             "cl and chunked", "space in name"}
 
