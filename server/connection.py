@@ -23,7 +23,9 @@ such a body, of a declared length, is then read with `recv(MSG_TRUNC)` from a du
 the socket, which discards it without copying it out of the kernel, instead of passing
 through the event loop, the HTTP parser and two copies per piece; the parser then starts
 afresh for the connection's next request. (Over TLS the bytes must be decrypted: they go
-through the parser as before.)
+through the parser as before.) So that little of such a body leaves the kernel before
+its header has been checked, the event loop reads a connection a header's worth at a time
+while it waits for a header (`SizedReads`).
 """
 
 from __future__ import annotations
@@ -366,7 +368,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         has already come is dropped at once; the loop watches for the rest. False (nothing
         changed) when no file descriptor is left for the duplicate."""
         try:
-            sink = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+            sink = self._duplicate()
         except OSError:
             return False
         sink.setblocking(False)
@@ -374,6 +376,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.flow.pause_reading()
         self._drop_some()
         return True
+
+    def _duplicate(self) -> socket.socket:
+        """A duplicate of the connection's socket, to read from beside the event loop (which
+        takes no reader of its own on a transport's socket)."""
+        return socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
 
     def _drop_unread(self) -> None:
         """Drop, in the kernel, what the client has sent that is still unread (up to 16 MB),
@@ -383,8 +390,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self._sink_ok():
             return
         try:
-            with socket.socket(fileno=os.dup(
-                    self.transport.get_extra_info("socket").fileno())) as sink:
+            with self._duplicate() as sink:
                 flags = socket.MSG_TRUNC | socket.MSG_DONTWAIT
                 for _ in range(4):
                     if sink.recv_into(_SINK, len(_SINK), flags) <= 0:
