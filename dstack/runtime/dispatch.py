@@ -102,8 +102,13 @@ holds; measured in docs/reliability.md).
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate and not
 finished a batch for `probe_s`, the next request is admitted as a *probe* whatever the
-estimate says, and the estimate refuses nothing while that probe's batch runs. So a
-stale or contended estimate cannot shut a model out for longer than about `probe_s`.
+estimate says, and while that probe's batch runs the estimate refuses nothing that would
+go in the batch after it: one batch's worth (the policy's batch cap) may queue behind
+the probe, no more. So a stale or contended estimate cannot shut a model out for longer
+than about `probe_s`. (With no bound, a model sharing a lane whose probe's batch ran
+while its mates' work kept the lane took every request meanwhile, 43 items queued at
+once, and nearly all of them expired: 237 of the 255 `expired` refusals of one run;
+docs/reliability.md.)
 While the probe waits in the queue (behind its lane mates' work), other requests are
 judged as always: before, every request was admitted while it waited, and under overload
 all of them expired with it. A probe that expires in the queue is over; one request a
@@ -670,6 +675,16 @@ class _Core:
         # in the queue (behind a lane mate's work) a request is judged as any other.
         est = None if not st.trusted or (st.probing and st.running) or self._probe_due(
             st, now) else st.estimate
+        cap: cython.longlong = self.policy.batch_cap(model)
+        if cap > st.max_batch:
+            cap = st.max_batch
+        if cap < 1:
+            cap = 1
+        if st.probing and st.running and queued + k > cap:
+            return self._refusal(
+                st, t, RefusalReason.WORK_AHEAD,
+                f"model {model}: a probe's batch is re-measuring its latency and {queued} "
+                f"items already wait for the batch after it (batch cap {cap}); retry later")
         if est is None:
             if ready > t.deadline:  # no estimate to go by: it cannot even queue in time
                 return self._refusal(
@@ -683,11 +698,6 @@ class _Core:
                 if now + wait_s > t.deadline:
                     return self._lane_refusal(st, t, model, wait_s)
         else:
-            cap: cython.longlong = self.policy.batch_cap(model)
-            if cap > st.max_batch:
-                cap = st.max_batch
-            if cap < 1:
-                cap = 1
             ahead: cython.longlong = queued
             full_batches: cython.longlong = ahead // cap
             own: cython.longlong = ahead % cap + k

@@ -139,6 +139,27 @@ def test_an_estimate_that_refuses_is_reprobed_within_the_probe_time() -> None:
     assert isinstance(core.admit(A, 1, 1.1), Ticket)
 
 
+def test_while_a_probes_batch_runs_one_batch_may_queue_behind_it_no_more() -> None:
+    """The estimate refuses nothing while a probe re-measures it, but only the batch after
+    the probe's may fill meanwhile (the batch cap, 4): the requests beyond it would wait
+    for batches nobody has measured, and under a lane mate's load they expired queued
+    (237 of 255 `expired` refusals in one overload run, docs/reliability.md)."""
+    core = core_for(estimates={A: trusted(0.5)}, probe_s=1.0)
+    assert isinstance(core.admit(A, 1, 0.0), Refusal)
+    probe = core.admit(A, 1, 1.0)
+    assert isinstance(probe, Ticket)
+    s = core.step(1.0)
+    assert s.launches[0].tickets == (probe,)
+    during = [core.admit(A, 1, 1.001 + i / 1000) for i in range(10)]
+    assert [isinstance(r, Ticket) for r in during] == [True] * 4 + [False] * 6
+    late = during[-1]
+    assert isinstance(late, Refusal) and late.reason is RefusalReason.WORK_AHEAD
+    assert "probe" in late.message and "4 items already wait" in late.message
+    run(core, s.launches[0], 0.005)  # measured: the estimate judges from here
+    s = core.step(1.02)
+    assert s.launches[0].tickets == tuple(during[:4])
+
+
 def test_unserved_models_are_refused_and_the_others_served() -> None:
     class Partial:
         name = PolicyName.SHARED
