@@ -105,9 +105,9 @@ finished a batch for `probe_s`, the next request is admitted as a *probe* whatev
 estimate says, and while that probe's batch runs the estimate refuses nothing that would
 go in the batch after it: one batch's worth (the policy's batch cap) may queue behind
 the probe, no more. So a stale or contended estimate cannot shut a model out for longer
-than about `probe_s`. (With no bound, a model sharing a lane whose probe's batch ran
-while its mates' work kept the lane took every request meanwhile, 43 items queued at
-once, and nearly all of them expired: 237 of the 255 `expired` refusals of one run;
+than about `probe_s`. (Without that bound, every request that came while a probe's
+batch ran was admitted: up to 43 items at once behind a resnet18 probe in a lane under
+load, nearly all of which expired, 237 of the 255 `expired` refusals of one run;
 docs/reliability.md.)
 While the probe waits in the queue (behind its lane mates' work), other requests are
 judged as always: before, every request was admitted while it waited, and under overload
