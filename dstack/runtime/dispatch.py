@@ -46,17 +46,17 @@ refused requests that their next turn would have served: the `temporal` baseline
 fifth of its goodput in `make bench-policies`.)
 
 Admission counts a lane's other models too (`Policy.lane_mates`: models that run one
-batch at a time with this one, as the `dstack` policy's lanes do; the baselines declare
-none). A request waits for their running batch; for all the queued work of a higher tier,
-and the share of the device that tier's admitted items keep taking while it waits
-(`load`: the request starts after a busy period, work / (1 - load), in a fluid model; at
-LOAD_MAX or more it is refused outright); and, for an earliest-deadline peer, its queued
-requests due before this one and those that arrive while they would still be due before
-it. Counting only the model's own queue, a request of resnet18 sharing one core's lane
-with mobilenet_v3_small (SLOs 250 and 60 ms) under overload was admitted to an empty queue
-and then waited while every mobilenet request due before it ran: about 500 of them a
-30-second window were refused `expired` after 216 ms, and those set the p99 of all
-refusals (measured in docs/reliability.md).
+batch at a time with this one, as the `dstack` policy's lanes do, and `temporal`'s one
+lane, the whole device; the concurrent baselines declare none). A request waits for their
+running batch; for all the queued work of a higher tier, and the share of the device that
+tier's admitted items keep taking while it waits (`load`: the request starts after a busy
+period, work / (1 - load), in a fluid model; at LOAD_MAX or more it is refused outright);
+and, for an earliest-deadline peer, its queued requests due before this one and those that
+arrive while they would still be due before it. Counting only the model's own queue, a
+request of resnet18 sharing one core's lane with mobilenet_v3_small (SLOs 250 and 60 ms)
+under overload was admitted to an empty queue and then waited while every mobilenet
+request due before it ran: about 500 of them a 30-second window were refused `expired`
+after 216 ms, and those set the p99 of all refusals (measured in docs/reliability.md).
 
 Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
 batches took at their quickest, rising only slowly), and so does admission of a request
@@ -494,6 +494,7 @@ class _Core:
         st: _Model
         for st in self._m:
             st.last_done = now
+            st.launched_at = now
             st.multi_at = now
 
     # ------------------------------------------------------------------ policy

@@ -601,6 +601,50 @@ def test_a_model_the_policy_passes_over_is_refused_at_admission_not_left_to_expi
     assert [what for t, what in outcome[A] if t < 3.0].count("served") > 400
 
 
+def test_a_model_counts_its_time_without_a_batch_from_when_serving_began() -> None:
+    """The server's clock is the machine's monotonic clock (1,000 s after boot here). A
+    model whose first request expired behind another model's batch is not shut out until
+    it has started no batch for `probe_s` since serving began; and the refusal then counts
+    from there. Before, both counted from the clock's zero: right after start the second
+    request was refused, saying none of its batches had started for 1,000,300 ms."""
+    start = 1000.0
+    core = DispatchCore([CoreModel(m, 0.1, 4, 64) for m in (A, B)], AFirst(),
+                        {A: trusted(0.005), B: trusted(0.005)}, now=start, probe_s=1.0)
+    assert isinstance(core.admit(A, 1, start), Ticket)
+    assert isinstance(core.admit(B, 1, start), Ticket)
+    assert [b.model for b in core.step(start).launches] == [A]  # ... and never ends
+    assert [r.reason for r in core.step(start + 0.15).refusals] == [RefusalReason.EXPIRED]
+    assert isinstance(core.admit(B, 1, start + 0.2), Ticket)
+    assert isinstance(core.admit(B, 1, start + 0.3), Ticket)
+    core.step(start + 1.5)  # both expired: B has started no batch for 1.5 s
+    assert isinstance(core.admit(B, 1, start + 1.5), Ticket)  # one let through a second
+    r = core.admit(B, 1, start + 1.6)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "none of its batches has started for 1600 ms" in r.message
+
+
+def test_under_temporal_a_request_that_another_models_running_batch_keeps_past_its_deadline_is_refused_at_once() -> None:  # noqa: E501
+    """`temporal` runs one batch at a time on the whole device: a request of B that comes
+    while a 200 ms batch of A runs cannot make its 100 ms SLO, and is refused as it
+    arrives rather than admitted to expire; one that comes near that batch's end is
+    admitted, and its batch is the next."""
+    slos = {A: 0.5, B: 0.1}
+    params = {m: ModelParams(m, 4, 0.0, slo) for m, slo in slos.items()}
+    core = DispatchCore([CoreModel(m, slo, 4, 64) for m, slo in slos.items()],
+                        make_policy(PolicyName.TEMPORAL, params, CpuSlices((0, 1))),
+                        {A: trusted(0.2), B: trusted(0.005)}, now=0.0)
+    for _ in range(4):
+        core.admit(A, 1, 0.0)
+    (a,) = core.step(0.0).launches
+    r = core.admit(B, 1, 0.01)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "190.0 ms of work of the models that share its slice before it" in r.message
+    t = core.admit(B, 1, 0.15)
+    assert isinstance(t, Ticket)
+    run(core, a, 0.2)
+    assert [b.tickets for b in core.step(0.2).launches] == [(t,)]
+
+
 def one_lane(low: tuple[str, ...] = ()) -> DispatchCore:
     """A (60 ms SLO, 8 ms a request) and B (250 ms, 35 ms) in one lane of one core, batches
     of one: the `dstack` plan for mobilenet_v3_small and resnet18 on one core. EDF between
