@@ -6,11 +6,12 @@ For each policy a real server (`configs/bench-mix-<policy>.yaml`: mobilenet_v3_s
 port, polled on `/v2/health/ready`, stopped by PID on every path) and, once it is ready,
 `--clients` tritonclient.http clients per model, one process each, in a closed loop (each
 sends its next one-item request, random float32 of the model's input shape, as soon as
-the last one is answered) for `--duration` seconds. Per model: answered within the SLO
-(latency measured by the client), answered late, refused with 429 by the `reason` in the
-server's body, other 4xx, 5xx, hangs (no answer within the `--timeout` of the client),
-connection and client errors. A table per policy, a summary (goodput within SLO, refused
-%, 5xx, hangs), and every number in `out/bench/closed_loop.json`.
+the last one is answered, or `--refusal-pause` after a 429) for `--duration` seconds.
+Per model: answered within the SLO (latency measured by the client), answered late,
+refused with 429 by the `reason` in the server's body, other 4xx, 5xx, hangs (no answer
+within the `--timeout` of the client), connection and client errors. A table per policy,
+a summary (goodput within SLO, refused %, 5xx, hangs), and every number in
+`out/bench/closed_loop.json`.
 """
 
 from __future__ import annotations
@@ -23,21 +24,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.closed_loop import TIMEOUT_S, Counts, Target, closed_loop
+from bench.closed_loop import REFUSAL_PAUSE_S, TIMEOUT_S, Counts, Target, closed_loop
 from bench.servers import ROOT, models_of, peak_rss_mb, serving
 
 POLICIES = ("temporal", "shared", "spatial", "dstack")
 
 
 def run_policy(policy: str, outdir: Path, *, clients: int, duration_s: float,
-               timeout_s: float = TIMEOUT_S) -> tuple[dict[str, Counts], dict[str, float]]:
+               timeout_s: float = TIMEOUT_S, refusal_pause_s: float = REFUSAL_PAUSE_S
+               ) -> tuple[dict[str, Counts], dict[str, float]]:
     """Serve `configs/bench-mix-<policy>.yaml` and run the closed loop against it: the
     outcomes per model, and the peak RSS (MB) of the server and its workers."""
     config = ROOT / f"configs/bench-mix-{policy}.yaml"
     slos = {m["name"]: float(m["slo_ms"]) for m in models_of(config)}
     with serving(config, outdir / f"server-closed-loop-{policy}.log") as srv:
         targets = [Target.from_server(srv.host, m, slo) for m, slo in slos.items()]
-        counts = closed_loop(srv.host, targets, clients, duration_s, timeout_s=timeout_s)
+        counts = closed_loop(srv.host, targets, clients, duration_s, timeout_s=timeout_s,
+                             refusal_pause_s=refusal_pause_s)
         rss = peak_rss_mb(srv)
     return counts, rss
 
@@ -96,6 +99,11 @@ def _seconds(text: str) -> float:
     return float(text.removesuffix("s"))
 
 
+def _milliseconds(text: str) -> float:
+    """Seconds from "5ms" or "5" (milliseconds)."""
+    return float(text.removesuffix("ms")) / 1000
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.bench_closed_loop", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=2, help="clients per model")
     ap.add_argument("--timeout", type=_seconds, default=TIMEOUT_S,
                     help="a request not answered in this many seconds is a hang")
+    ap.add_argument("--refusal-pause", type=_milliseconds, default=REFUSAL_PAUSE_S,
+                    help="how long a refused client waits before it sends again "
+                         f"(default {1000 * REFUSAL_PAUSE_S:g}ms; 0 sends again at once)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default="out/bench")
     args = ap.parse_args(argv)
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     results: dict[str, Any] = {
         "duration_s": args.duration, "clients_per_model": args.clients,
-        "timeout_s": args.timeout, "cores": sorted(os.sched_getaffinity(0)),
+        "timeout_s": args.timeout, "refusal_pause_s": args.refusal_pause,
+        "cores": sorted(os.sched_getaffinity(0)),
         "load_average_start": os.getloadavg(), "policies": {}}
     failed = False
     for pol in policies:
@@ -121,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 for m in models_of(ROOT / f"configs/bench-mix-{pol}.yaml")}
         try:
             counts, rss = run_policy(pol, outdir, clients=args.clients, duration_s=args.duration,
-                                timeout_s=args.timeout)
+                                     timeout_s=args.timeout,
+                                     refusal_pause_s=args.refusal_pause)
         except RuntimeError as e:
             failed = True
             results["policies"][pol] = {"error": str(e)[-2000:]}

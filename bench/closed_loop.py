@@ -1,5 +1,6 @@
 """Closed-loop load: tritonclient.http clients, each in a process of its own, each sending
-its next one-item request as soon as the last one is answered, for a set time.
+its next one-item request as soon as the last one is answered, for a set time; after a
+refusal (429), once `refusal_pause_s` has gone by (REFUSAL_PAUSE_S, 5 ms, by default).
 
 tritonclient.http runs on gevent, so one client per process: processes also keep each
 client's CPU its own on a small machine. Every request ends in exactly one outcome:
@@ -24,6 +25,13 @@ import numpy as np
 from bench.servers import get_json
 
 TIMEOUT_S = 30.0  # a request not answered in this long is a hang
+# A refused client sends again after this long. On one small machine the clients share the
+# cores with the server's workers: a client that sends again at once spins at the rate the
+# server refuses (over 1,500 requests a second for one model on this 2-core machine), and
+# its own CPU then starves the batches it waits for. In `temporal`'s 3 s smoke run,
+# mobilenet_v3_small went unanswered in 2 of 22 runs so; with 5 ms, in none of 18
+# (docs/benchmarks.md).
+REFUSAL_PAUSE_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -101,10 +109,10 @@ class Counts:
 
 
 def _client_main(url: str, target: Target, seed: int, duration_s: float, timeout_s: float,
-                 go: Any, results: Any) -> None:
+                 refusal_pause_s: float, go: Any, results: Any) -> None:
     """One closed-loop client (the body of a child process): connect, report ready, wait
-    for `go`, then send one-item requests back to back for `duration_s`; put the counts
-    on `results`."""
+    for `go`, then send one-item requests back to back for `duration_s` (after a 429,
+    `refusal_pause_s` later); put the counts on `results`."""
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
@@ -144,6 +152,7 @@ def _client_main(url: str, target: Target, seed: int, duration_s: float, timeout
             code = int(status) if status and str(status).isdigit() else 0
             if code == 429:
                 counts.refused[_reason(client.error_body)] += 1
+                time.sleep(refusal_pause_s)
             elif 400 <= code < 500:
                 counts.other_4xx[str(code)] += 1
             elif code >= 500:
@@ -192,8 +201,8 @@ def _reason(body: bytes) -> str:
 
 
 def closed_loop(host: str, targets: list[Target], clients_per_model: int, duration_s: float,
-                *, timeout_s: float = TIMEOUT_S, start_timeout_s: float = 120.0
-                ) -> dict[str, Counts]:
+                *, timeout_s: float = TIMEOUT_S, refusal_pause_s: float = REFUSAL_PAUSE_S,
+                start_timeout_s: float = 120.0) -> dict[str, Counts]:
     """`clients_per_model` closed-loop clients per target against `host`
     (http://127.0.0.1:PORT) for `duration_s`, all started together once every one is
     connected; the outcomes per model. Every child process is ended (by its own PID) on
@@ -207,7 +216,8 @@ def closed_loop(host: str, targets: list[Target], clients_per_model: int, durati
         for _ in range(clients_per_model):
             seed += 1
             p = ctx.Process(target=_client_main, name=f"closed-loop {t.model} #{seed}",
-                            args=(url, t, seed, duration_s, timeout_s, go, results),
+                            args=(url, t, seed, duration_s, timeout_s, refusal_pause_s, go,
+                                  results),
                             daemon=True)
             p.start()
             procs.append(p)

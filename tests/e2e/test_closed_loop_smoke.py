@@ -1,10 +1,11 @@
 """A short `make bench-closed-loop`: a policy's bench-mix server (a real `dstack serve`
 process, polled on its readiness endpoint, stopped by its PID) under two closed-loop
-tritonclient clients per model for a few seconds. What a user would notice: the server
-never fails (5xx), never leaves a request hanging, and answers every model. Refusals
-(429) and late answers are allowed: this machine is small and shared, and how many there
-are is the benchmark's business, not the test's. And the benchmark's own accounting: a
-429 is counted by the `reason` in its body."""
+tritonclient clients per model (a refused one sends again 5 ms later) for a few seconds.
+What a user would notice: the server never fails (5xx), never leaves a request hanging,
+and answers every model. Refusals (429) and late answers are allowed: this machine is
+small and shared, and how many there are is the benchmark's business, not the test's.
+And the benchmark's own accounting: a 429 is counted by the `reason` in its body, and a
+refused client waits its pause."""
 
 from __future__ import annotations
 
@@ -84,3 +85,12 @@ def test_a_refusal_is_counted_by_the_reason_in_its_body(refusing_server: str) ->
     assert counts.answered == 0 and not counts.server_5xx and counts.timeouts == 0
     assert sum(counts.refused.values()) == counts.sent
     assert set(counts.refused) == {"queue_full", "unspecified"}
+
+
+def test_a_refused_client_waits_its_pause_before_it_sends_again(refusing_server: str) -> None:
+    target = Target("m", 100.0, "INPUT0", (1, 4), "FP32")
+    counts = closed_loop(refusing_server, [target], 1, 0.5, timeout_s=5.0,
+                         refusal_pause_s=0.1)["m"]
+    # every refusal is followed by 0.1 s asleep: at most 6 requests in 0.5 s
+    assert 1 <= counts.sent <= 6
+    assert sum(counts.refused.values()) == counts.sent
