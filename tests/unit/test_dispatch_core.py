@@ -698,12 +698,14 @@ def test_a_request_its_lane_mates_would_keep_past_its_deadline_is_refused_at_adm
     arrive meanwhile too. With A at 4x what the lane serves, admission counted only B's
     own (empty) queue: B's requests were admitted and refused `expired` after waiting
     most of their 250 ms (here 56 of 93, and 4 answered late). Now they are refused on
-    arrival, all but a few (the probes, one a second, among them); A is served as before;
-    and at a load the lane can carry, B is served."""
+    arrival, all but a few; A is served as before; and at a load the lane can carry, B
+    is served. No probe is admitted on A's account: a probe re-measures B's own batches,
+    which did not refuse (with one a second, 7 of B's requests were late or expired
+    here, against 3)."""
     over = lane_outcomes(one_lane(), 480.0, 20.0)
     b = over[B]
     assert b.get("work_ahead", 0) >= 0.8 * sum(b.values())
-    assert b.get("expired", 0) + b.get("late", 0) <= 2 * 5
+    assert b.get("expired", 0) + b.get("late", 0) <= 4
     assert over[A]["served"] >= 0.95 * 5 / 0.008  # the lane stays busy with A
     light = lane_outcomes(one_lane(), 50.0, 10.0)
     assert light[B]["served"] >= 0.9 * sum(light[B].values())
