@@ -100,8 +100,11 @@ def _seconds(text: str) -> float:
 
 
 def _milliseconds(text: str) -> float:
-    """Seconds from "5ms" or "5" (milliseconds)."""
-    return float(text.removesuffix("ms")) / 1000
+    """Seconds from "5ms" or "5" (milliseconds, not negative)."""
+    ms = float(text.removesuffix("ms"))
+    if ms < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return ms / 1000
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from bench.servers import get_json
 TIMEOUT_S = 30.0  # a request not answered in this long is a hang
 # A refused client sends again after this long. On one small machine the clients share the
 # cores with the server's workers: a client that sends again at once spins at the rate the
-# server refuses (over 1,500 requests a second for one model on this 2-core machine), and
+# server refuses (over 1,000 requests a second for one model on this 2-core machine), and
 # its own CPU then starves the batches it waits for. In `temporal`'s 3 s smoke run,
 # mobilenet_v3_small went unanswered in 2 of 22 runs so; with 5 ms, in none of 18
 # (docs/benchmarks.md).
