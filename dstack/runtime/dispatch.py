@@ -102,17 +102,18 @@ holds; measured in docs/reliability.md).
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate (its own
 batches' time: a refusal for its lane mates' work alone does not count, their batches
-measure it) and not finished a batch for `probe_s`, the next request is admitted as a
-*probe* whatever the estimate says, and while that probe's batch runs the estimate
-refuses nothing that would go in the batch after it: one batch's worth (the policy's
-batch cap) may queue behind the probe, no more. So a stale or contended estimate cannot
-shut a model out for longer than about `probe_s`. (Without that bound, every request
-that came while a probe's batch ran was admitted: up to 43 items at once behind a
-resnet18 probe in a lane under load, nearly all of which expired, 237 of the 255
-`expired` refusals of one run; docs/reliability.md. And with probes on its lane mates'
-account, resnet18 sharing one core with mobilenet_v3_small had a request about every
-two seconds admitted to its empty queue and answered late: 48 in a run of 1x, 2x and 4x
-windows, against 24 without them.)
+measure it; nor does a request that expired queued while the model ran no batch of its
+own, waiting on its lane mates) and not finished a batch for `probe_s`, the next request
+is admitted as a *probe* whatever the estimate says, and while that probe's batch runs
+the estimate refuses nothing that would go in the batch after it: one batch's worth (the
+policy's batch cap) may queue behind the probe, no more. So a stale or contended
+estimate cannot shut a model out for longer than about `probe_s`. (Without that bound,
+every request that came while a probe's batch ran was admitted: up to 43 items at once
+behind a resnet18 probe in a lane under load, nearly all of which expired, 237 of the
+255 `expired` refusals of one run; docs/reliability.md. And with probes on its lane
+mates' account, resnet18 sharing one core with mobilenet_v3_small had a request about
+every two seconds admitted to its empty queue and answered late: 48 in a run of 1x, 2x
+and 4x windows, against 24 without them.)
 While the probe waits in the queue (behind its lane mates' work), other requests are
 judged as always: before, every request was admitted while it waited, and under overload
 all of them expired with it. A probe that expires in the queue is over; one request a
@@ -980,7 +981,9 @@ class _Core:
                 st.outcome(t, True)
                 if t.deadline == st.probe_deadline:
                     st.probing = False  # the probe expired queued: it is over
-                if run_s > 0:
+                if run_s > 0 and (st.running or not st.mates):
+                    # a probe re-measures the model's own batches (module docstring): due
+                    # when its head waited on them, not on its lane mates' work alone
                     st.est_refused = True
                 out.append(self._refusal(
                     st, t, RefusalReason.EXPIRED,

@@ -645,8 +645,8 @@ def test_under_temporal_a_request_that_another_models_running_batch_keeps_past_i
     assert [b.tickets for b in core.step(0.2).launches] == [(t,)]
 
 
-def one_lane(low: tuple[str, ...] = ()) -> DispatchCore:
-    """A (60 ms SLO, 8 ms a request) and B (250 ms, 35 ms) in one lane of one core, batches
+def one_lane(low: tuple[str, ...] = (), b_s: float = 0.035) -> DispatchCore:
+    """A (60 ms SLO, 8 ms a request) and B (250 ms, `b_s`) in one lane of one core, batches
     of one: the `dstack` plan for mobilenet_v3_small and resnet18 on one core. EDF between
     them, or B only when A has nothing queued (`low`)."""
     lane = Lane(100.0, (0,), (A, B), (1, 1), 43.0, low=low)
@@ -654,7 +654,7 @@ def one_lane(low: tuple[str, ...] = ()) -> DispatchCore:
     params = {A: ModelParams(A, 1, 0.0, 0.06), B: ModelParams(B, 1, 0.0, 0.25)}
     policy = LanePolicy(params, CpuSlices((0,)), plan, Schedule(43.0, ()))
     return DispatchCore([CoreModel(A, 0.06, 1, 64), CoreModel(B, 0.25, 1, 64)], policy,
-                        {A: trusted(0.008), B: trusted(0.035)}, now=0.0)
+                        {A: trusted(0.008), B: trusted(b_s)}, now=0.0)
 
 
 def lane_outcomes(core: DispatchCore, a_rps: float, b_rps: float, seconds: float = 6.0,
@@ -700,16 +700,38 @@ def test_a_request_its_lane_mates_would_keep_past_its_deadline_is_refused_at_adm
     most of their 250 ms (here 56 of 93, and 4 answered late). Now they are refused on
     arrival, all but a few; A is served as before; and at a load the lane can carry, B
     is served. No probe is admitted on A's account: a probe re-measures B's own batches,
-    which did not refuse (with one a second, 7 of B's requests were late or expired
-    here, against 3)."""
+    which did not refuse (with one a second after each refusal, 7 of B's requests were
+    late or expired here; 3 with one after each of B's requests that expired waiting
+    for A's work; none now)."""
     over = lane_outcomes(one_lane(), 480.0, 20.0)
     b = over[B]
     assert b.get("work_ahead", 0) >= 0.8 * sum(b.values())
-    assert b.get("expired", 0) + b.get("late", 0) <= 4
+    assert b.get("expired", 0) + b.get("late", 0) <= 1
     assert over[A]["served"] >= 0.95 * 5 / 0.008  # the lane stays busy with A
     light = lane_outcomes(one_lane(), 50.0, 10.0)
     assert light[B]["served"] >= 0.9 * sum(light[B].values())
     assert light[A]["served"] >= 0.95 * sum(light[A].values())
+
+
+def test_a_request_that_expired_waiting_for_its_lane_mates_makes_no_probe_due() -> None:
+    """B (220 ms a request, SLO 250 ms) had a request expire while A's batch held the
+    lane. That says nothing about B's own estimate, so no probe is due: a second later,
+    behind about 50 ms of A's work, B's next request is judged by B's estimate (it would
+    end about 273 ms after arrival) and refused at once. Before, it was admitted as a
+    probe, whatever the estimate said."""
+    core = one_lane(b_s=0.22)
+    assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    (a1,) = core.step(0.0).launches
+    assert isinstance(core.admit(B, 1, 0.001), Ticket)
+    assert [r.reason for r in core.step(0.06).refusals] == [RefusalReason.EXPIRED]
+    core.fail(a1, 0.1)  # A's worker died: the lane is free, nothing learnt
+    for _ in range(6):
+        assert isinstance(core.admit(A, 1, 1.2), Ticket)
+    assert [b.model for b in core.step(1.2).launches] == [A]
+    r = core.admit(B, 1, 1.2)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "of work of the models that share its slice before it" in r.message
+    assert "would finish 273" in r.message
 
 
 def test_a_low_tier_request_is_refused_while_its_lane_has_no_time_for_it() -> None:
