@@ -59,7 +59,7 @@ import yaml
 from bench import chaos_load as cl
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
-from bench.servers import ROOT, Server, get_json, serving
+from bench.servers import ROOT, Server, admission_terms, get_json, serving
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
@@ -204,6 +204,10 @@ class _Levels:
     load_cores: dict[int | str, list[float]] = field(
         default_factory=lambda: {x: [] for x in _KEYS})  # the load generator's, by round
     burnt: list[float] = field(default_factory=list)  # the burner's cores, by round
+    # what admission counted besides compute (/metrics), three quarters into each window:
+    # model -> term -> ms, by round
+    terms: dict[int | str, list[dict[str, dict[str, float]]]] = field(
+        default_factory=lambda: {x: [] for x in _KEYS})
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
@@ -266,7 +270,8 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "accepted_in_slo": t.ok / t.accepted if t.accepted else float("nan"),
                          "health_p50_p99_ms": (round(cl.pct(lv.floors[x], 50), 1),
                                                round(cl.pct(lv.floors[x], 99), 1)),
-                         "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()}}
+                         "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()},
+                         "admission_ms": _median_terms(lv.terms[x])}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
                     one = lv.per_model[1].get(m, 0)
@@ -287,6 +292,18 @@ def overload(args: argparse.Namespace) -> list[Row]:
         return rows
 
 
+def _median_terms(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each model's admission terms, the median over the rounds that read them."""
+    import statistics
+
+    out: dict[str, dict[str, float]] = {}
+    for m in {m for r in rounds for m in r}:
+        for k in {k for r in rounds for k in r.get(m, {})}:
+            vals = [r[m][k] for r in rounds if k in r.get(m, {})]
+            out.setdefault(m, {})[k] = round(statistics.median(vals), 3)
+    return out
+
+
 def _times(x: int | str) -> int:
     return 1 if x == CONTROL else int(x)
 
@@ -305,9 +322,11 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     t0 = time.monotonic()
-    (res, shards_cpu), floor = run(_with_floor(lv.srv.host, cl.open_loop_sharded(
-        lv.srv.host, rates, lv.slos, args.overload_seconds, seed=100 * rep + _times(x),
-        procs=LOAD_PROCS)))
+    ((res, shards_cpu), terms), floor = run(_with_floor(lv.srv.host, _with_terms(
+        lv.srv.host, cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
+                                          seed=100 * rep + _times(x), procs=LOAD_PROCS),
+        0.75 * args.overload_seconds)))
+    lv.terms[x].append(terms)
     wall = time.monotonic() - t0
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
@@ -328,7 +347,20 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
         lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
     print(f"    round {rep + 1} {policy} {_label(x)}: goodput {lv.good[x][-1]:.1f}/s, "
           f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
+          f"{os.getloadavg()[0]:.2f}; admission besides compute: " + "; ".join(
+              f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
+              for m, mt in terms.items()), flush=True)
+
+
+async def _with_terms(host: str, load: Any, at_s: float) -> tuple[Any, dict]:
+    """Run `load`, reading the server's admission terms (`admission_terms`) `at_s` in."""
+    task = asyncio.ensure_future(load)
+    await asyncio.sleep(at_s)
+    try:
+        terms = await asyncio.to_thread(admission_terms, host)
+    except OSError:
+        terms = {}
+    return await task, terms
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:

@@ -115,6 +115,24 @@ def get_json(url: str) -> Any:
         return json.loads(r.read())
 
 
+def admission_terms(host: str) -> dict[str, dict[str, float]]:
+    """Per model, what the server's admission counts besides compute, from its /metrics
+    (`dstack_admission_seconds` by term, in ms; `margin`, the factor)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "dstack_admission_seconds":
+                out.setdefault(sample.labels["model"], {})[sample.labels["term"]] = (
+                    1000 * sample.value)
+            elif sample.name == "dstack_admission_margin":
+                out.setdefault(sample.labels["model"], {})["margin"] = sample.value
+    return out
+
+
 def model_stats(host: str, model: str) -> dict[str, int]:
     """The server's counters for `model` (Triton's statistics extension)."""
     s = get_json(f"{host}/v2/models/{model}/stats")["model_stats"][0]

@@ -128,6 +128,20 @@ class BackendCollector(Collector):
             "1 while the model's worker is restarting, else 0",
             labels=["model", "version"],
         )
+        terms = GaugeMetricFamily(
+            "dstack_admission_seconds",
+            "What admission counts for a request besides its batches' compute and the work "
+            "ahead (term: body, its arrival; loop, the event loop's turns; overhead, a "
+            "batch's hand-over to its worker and back; delivery, the answer's way out)",
+            labels=["model", "term"],
+        )
+        margin = GaugeMetricFamily(
+            "dstack_admission_margin",
+            "The factor admission scales a finish behind queued work by (kept so that few "
+            "requests admitted that way miss their SLO)",
+            labels=["model"],
+        )
+        terms_of = getattr(b, "admission_terms", None)
         cap_of = getattr(b, "current_batch_cap", None)
         rules_of = getattr(b, "refusals", None)
         slice_of = getattr(b, "current_slice", None)
@@ -161,6 +175,12 @@ class BackendCollector(Collector):
                     slice_pct.add_metric([model], sl.percent)
             if cap_of is not None:
                 batch.add_metric([model], cap_of(model))
+            if terms_of is not None:
+                for term, value in terms_of(model).items():
+                    if term == "margin":
+                        margin.add_metric([model], value)
+                    else:
+                        terms.add_metric([model, term], value)
             if restarts_of is not None:
                 r = restarts_of(model)
                 restarts.add_sample("dstack_model_restart_count", mv, r.count)
@@ -181,6 +201,8 @@ class BackendCollector(Collector):
             attain,
             slice_pct,
             batch,
+            terms,
+            margin,
             restarts,
             restart_us,
             restarting,

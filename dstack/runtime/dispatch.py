@@ -1183,6 +1183,25 @@ class _Core:
             total += st.qlen + (1 if st.running else 0)
         return total
 
+    def admission_terms(self, model: str) -> tuple[float, float, float]:
+        """What admission adds to `model`'s batches' compute (for /metrics): the hand-over
+        of each batch (`overhead_s`), an answer's way out (`delivery_s`) and the `margin` a
+        finish behind work is scaled by; a served model with replicas: the largest of
+        theirs."""
+        group = self.groups.get(model) if self.groups else None
+        if group is None:
+            group = [self.index[model]]
+        over: cython.double = 0.0
+        out: cython.double = 0.0
+        margin: cython.double = 1.0
+        st: _Model
+        for i in group:
+            st = self._m[i]
+            over = max(over, st.overhead_s)
+            out = max(out, st.delivery_s)
+            margin = max(margin, st.margin)
+        return over, out, margin
+
     def running(self, model: str) -> bool:
         st: _Model = self._m[self.index[model]]
         return st.running

@@ -453,6 +453,20 @@ class Runtime:
         return RestartInfo(min(died) if died else None, max(expected) if expected else None,
                            sum(i.count for i in infos), max(lasts) if lasts else None)
 
+    def admission_terms(self, model: str) -> dict[str, float]:
+        """What the checks before admission count for a request of `model` besides its
+        batches' compute and the work ahead of it, in seconds (for /metrics): `body`, the
+        time its body takes to arrive (`body_s`); `loop`, LAG_TURNS of the event loop's
+        lag; `overhead`, the hand-over of each batch to its worker and back; `delivery`,
+        its answer's way out; and `margin`, the factor a finish behind work is scaled by.
+        Empty before the runtime is ready."""
+        self.spec(model)
+        if self.core is None:
+            return {}
+        overhead, delivery, margin = self.core.admission_terms(model)
+        return {"body": self.body_s(model), "loop": LAG_TURNS * self.loop_lag_s,
+                "overhead": overhead, "delivery": delivery, "margin": margin}
+
     def current_batch_cap(self, model: str) -> int:
         """The batch size the policy aims for now (for metrics)."""
         return self.policy.batch_cap(model) if self.policy is not None else 0

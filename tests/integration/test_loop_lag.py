@@ -119,3 +119,30 @@ def test_a_check_before_the_body_counts_the_time_bodies_take_to_arrive() -> None
             rt.refuse_early("tiny")
 
     asyncio.run(main())
+
+
+def test_metrics_show_what_admission_counts_besides_compute() -> None:
+    """/metrics gives the terms a refusal's message adds up (`dstack_admission_seconds`:
+    the body's arrival, the loop's turns, a batch's hand-over, the answer's way out) and
+    the margin: bodies that take 120 ms to come show as a body term of 120 ms, the one
+    that refuses the next request at its header."""
+    def terms(text: str) -> dict[str, float]:
+        got = samples(text)["dstack_admission_seconds"]
+        return {dict(k)["term"]: v for k, v in got.items() if dict(k)["model"] == "tiny"}
+
+    async def main() -> None:
+        async with _served_tiny() as (rt, http):
+            text = (await http.get("/metrics")).text
+            before = terms(text)
+            assert set(before) == {"body", "loop", "overhead", "delivery"}
+            assert 0 < before["overhead"] < 0.1  # five batches handed over and back
+            assert before["body"] < 0.05
+            assert samples(text)["dstack_admission_margin"][(("model", "tiny"),)] >= 1.0
+            for _ in range(40):
+                rt.observe_body("tiny", 0.12)
+            after = terms((await http.get("/metrics")).text)
+            assert after["body"] == pytest.approx(0.12, rel=0.2)  # it fades while idle
+            with pytest.raises(DeadlineRefused, match="more to arrive or parse"):
+                rt.refuse_early("tiny")
+
+    asyncio.run(main())
