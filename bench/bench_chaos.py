@@ -59,7 +59,7 @@ import yaml
 from bench import chaos_load as cl
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
-from bench.servers import ROOT, Server, admission_terms, get_json, serving
+from bench.servers import ROOT, Server, get_json, serving
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
@@ -322,7 +322,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     t0 = time.monotonic()
-    ((res, shards_cpu), terms), floor = run(_with_floor(lv.srv.host, _with_terms(
+    ((res, shards_cpu), terms), floor = run(_with_floor(lv.srv.host, cl.with_admission_terms(
         lv.srv.host, cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                           seed=100 * rep + _times(x), procs=LOAD_PROCS),
         0.75 * args.overload_seconds)))
@@ -350,17 +350,6 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           f"{os.getloadavg()[0]:.2f}; admission besides compute: " + "; ".join(
               f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
               for m, mt in terms.items()), flush=True)
-
-
-async def _with_terms(host: str, load: Any, at_s: float) -> tuple[Any, dict]:
-    """Run `load`, reading the server's admission terms (`admission_terms`) `at_s` in."""
-    task = asyncio.ensure_future(load)
-    await asyncio.sleep(at_s)
-    try:
-        terms = await asyncio.to_thread(admission_terms, host)
-    except OSError:
-        terms = {}
-    return await task, terms
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:

@@ -61,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.reps):
                 for x in args.levels:
                     cpu0, t0 = cl.cpu_s(srv.pid), time.monotonic()
-                    res, _ = asyncio.run(cl.open_loop_sharded(
+                    load = cl.open_loop_sharded(
                         srv.host, {m: args.rate * x * f for m, f in share.items()}, slos,
-                        args.seconds, seed=100 * rep + int(x), procs=args.load_procs))
+                        args.seconds, seed=100 * rep + int(x), procs=args.load_procs)
+                    (res, _), terms = asyncio.run(
+                        cl.with_admission_terms(srv.host, load, 0.75 * args.seconds))
                     used[x] += (cl.cpu_s(srv.pid) - cpu0) / (time.monotonic() - t0) / args.reps
                     for m, tm in res.items():
                         per_model[x][m] += tm.ok / args.seconds / args.reps
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                     total[x].add(t)
                     good[x].append(t.ok / args.seconds)
                     print(f"  round {rep + 1} x{x:g}: goodput {good[x][-1]:.1f}/s, sent {t.sent}, "
-                          f"refused {dict(t.refused)}, hung {t.hung}", flush=True)
+                          f"refused {dict(t.refused)}, hung {t.hung}; admission besides "
+                          "compute (ms): " + "; ".join(
+                              f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
+                              for m, mt in terms.items()), flush=True)
     finally:
         pin_threads(cores)
     one = good[args.levels[0]]

@@ -25,7 +25,7 @@ import numpy as np
 from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire_bytes
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
-from bench.servers import get_json
+from bench.servers import admission_terms, get_json
 
 
 @dataclass
@@ -291,6 +291,18 @@ def _shard(conn: Any, host: str, rates: dict[str, float], slos_ms: dict[str, flo
     tallies = asyncio.run(open_loop(host, rates, slos_ms, duration_s, seed=seed))
     conn.send((tallies, sum(os.times()[:2])))
     conn.close()
+
+
+async def with_admission_terms(host: str, load: Any, at_s: float) -> tuple[Any, dict]:
+    """Run `load`, reading the server's admission terms (`bench.servers.admission_terms`:
+    per model, what admission counts besides compute) `at_s` into it ({} if unread)."""
+    task = asyncio.ensure_future(load)
+    await asyncio.sleep(at_s)
+    try:
+        terms = await asyncio.to_thread(admission_terms, host)
+    except OSError:
+        terms = {}
+    return await task, terms
 
 
 def total(tallies: dict[str, Tally]) -> Tally:
