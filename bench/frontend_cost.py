@@ -11,10 +11,17 @@ encoding, and writing a 4 KB binary answer. The benchmark's lean client
 server's user and kernel CPU per request (/proc), and its minor page faults per request
 (new pages the allocator asked the OS for); then the medians.
 
-A/B between revisions: run the same copy of this file with `PYTHONPATH=<checkout>`. (The
-server of `dstack serve` costs more per request: its runtime also admits, stages and
-hands each request to a worker; `python -m bench.bench_chaos --only refusal-cost` measures
-a refusal there.)
+`--backend runtime` serves a real runtime instead (`dstack.runtime.serving.Runtime`: one
+model of next to no compute, `pool_linear`, on this machine's CPU, policy `shared`, SLO 1
+s), as `dstack serve` does: the front end and the runtime's own work per request (admit,
+stage into the worker's shared memory, hand each batch to the worker and back). `--backend
+runtime-only` runs that runtime with no HTTP at all: `--connections` callers in the
+server's process await `Runtime.infer` back to back with the same one-item input. The
+three split what the server's process spends per request between the HTTP front end and
+the runtime (the worker's process is not counted).
+
+A/B between revisions: run the same copy of this file with `PYTHONPATH=<checkout>`.
+(`python -m bench.bench_chaos --only refusal-cost` measures a refusal.)
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from typing import Any
@@ -37,9 +45,16 @@ SHAPE = (1, 3, 224, 224)
 OUTPUTS = 1000
 
 
-def _serve(addr_out: Any, steady: bool) -> None:
-    """The server's process: `build_app` over `EchoBackend` on an ephemeral port; with
-    malloc's thresholds fixed as `dstack serve` fixes them, given `steady`."""
+#: `--backend runtime`'s model: next to no compute on the same 600 KB input.
+RUNTIME_CONFIG = {"device": "cpu", "policy": "shared", "models": [
+    {"name": "image", "zoo_name": "pool_linear", "slo_ms": 1000, "max_batch_size": 8,
+     "max_queue_delay_ms": 0}]}
+
+
+def _serve(addr_out: Any, steady: bool, backend: str = "echo") -> None:
+    """The server's process: `build_app` over `EchoBackend` (or a real runtime) on an
+    ephemeral port; with malloc's thresholds fixed as `dstack serve` fixes them, given
+    `steady`."""
     import uvicorn
 
     from dstack.common.backend import ModelStats
@@ -54,6 +69,15 @@ def _serve(addr_out: Any, steady: bool) -> None:
             pass
         else:
             steady_server_heap()
+
+    if backend == "runtime":
+        cfg = parse_config(RUNTIME_CONFIG)
+        app = build_app(cfg)  # its lifespan starts the runtime and its worker
+        server = uvicorn.Server(server_config(app, cfg.server, log_level="warning"))
+        sock = bind("127.0.0.1", 0)
+        addr_out.put(sock.getsockname())
+        server.run(sockets=[sock])
+        return
 
     cfg = parse_config({"models": [{"name": "image"}]})
     spec = ModelSpec("image", (TensorSpec("x", DType.FP32, (-1, *SHAPE[1:])),),
@@ -112,23 +136,61 @@ def _serve(addr_out: Any, steady: bool) -> None:
     server.run(sockets=[sock])
 
 
-def request() -> tuple[bytes, dict[str, str]]:
-    """A one-item request's body and headers (binary input, binary output asked for)."""
+def _runtime_only(out: Any, requests: int, connections: int, reps: int) -> None:
+    """The server's process without HTTP: the runtime of `--backend runtime`, and
+    `connections` callers awaiting `infer` back to back, `requests` a round; puts each
+    round's (requests/s, user s, kernel s) of this process."""
+    from dstack.common.config import parse_config
+    from dstack.common.pauses import freeze_startup_objects
+    from dstack.runtime.serving import Runtime
+    from server.memory import steady_server_heap
+
+    steady_server_heap()
+    x = np.ones(SHAPE, np.float32)
+
+    async def run() -> None:
+        rt = Runtime(parse_config(RUNTIME_CONFIG))
+        await rt.start()
+        freeze_startup_objects()  # as `dstack serve` does once it is up
+
+        async def one(k: int) -> None:
+            for _ in range(k):
+                await rt.infer("image", {"input": x})
+
+        try:
+            await asyncio.gather(*(one(50) for _ in range(connections)))  # warm up
+            for _ in range(reps):
+                t0, c0 = time.perf_counter(), os.times()
+                await asyncio.gather(*(one(requests // connections)
+                                       for _ in range(connections)))
+                c1 = os.times()
+                out.put((connections * (requests // connections) / (time.perf_counter() - t0),
+                         c1.user - c0.user, c1.system - c0.system))
+        finally:
+            await rt.stop()
+
+    asyncio.run(run())
+
+
+def request(names: tuple[str, str] = ("x", "y")) -> tuple[bytes, dict[str, str]]:
+    """A one-item request's body and headers (binary input, binary output asked for), its
+    input and output named `names`."""
     n = int(np.prod(SHAPE))
     header = json.dumps({
-        "inputs": [{"name": "x", "shape": list(SHAPE), "datatype": "FP32",
+        "inputs": [{"name": names[0], "shape": list(SHAPE), "datatype": "FP32",
                     "parameters": {"binary_data_size": 4 * n}}],
-        "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+        "outputs": [{"name": names[1], "parameters": {"binary_data": True}}]}).encode()
     return header + np.ones(n, np.float32).tobytes(), {
         "content-type": "application/octet-stream",
         "inference-header-content-length": str(len(header))}
 
 
-async def send(url: str, n: int, connections: int) -> None:
+async def send(url: str, n: int, connections: int,
+               names: tuple[str, str] = ("x", "y")) -> None:
     """`n` requests back to back on `connections` kept-alive connections, each answer read
     whole; a request not answered 200 fails the run."""
     client = LeanClient(url)
-    req = client.post("/v2/models/image/infer", *request())
+    req = client.post("/v2/models/image/infer", *request(names))
 
     async def one(k: int) -> None:
         for _ in range(k):
@@ -162,20 +224,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--glibc-defaults", action="store_true",
                     help="leave malloc's thresholds adaptive (glibc's defaults), as the "
                          "server's process had them before `steady_server_heap`")
+    ap.add_argument("--backend", choices=("echo", "runtime", "runtime-only"),
+                    default="echo", help="what answers (module docstring)")
     args = ap.parse_args(argv)
+    if args.backend == "runtime-only":
+        return _main_runtime_only(args)
+    names = ("input", "output") if args.backend == "runtime" else ("x", "y")
     addr_q: Any = mp.Queue()
-    proc = mp.Process(target=_serve, args=(addr_q, not args.glibc_defaults), daemon=True)
+    # (a runtime starts its worker as a child process: a daemonic process may have none)
+    proc = mp.Process(target=_serve, args=(addr_q, not args.glibc_defaults, args.backend),
+                      daemon=args.backend == "echo")
     proc.start()
     try:
         host, port = addr_q.get(timeout=120)
         url = f"http://{host}:{port}"
         wait_ready(url)
-        asyncio.run(send(url, 50 * args.connections, args.connections))  # warm up
+        asyncio.run(send(url, 50 * args.connections, args.connections, names))  # warm up
         rows = []
         for rep in range(args.reps):
             (u0, k0), f0 = cl.cpu_user_sys_s(proc.pid), cl.minor_faults(proc.pid)
             t0 = time.perf_counter()
-            asyncio.run(send(url, args.requests, args.connections))
+            asyncio.run(send(url, args.requests, args.connections, names))
             wall = time.perf_counter() - t0
             (u1, k1), f1 = cl.cpu_user_sys_s(proc.pid), cl.minor_faults(proc.pid)
             n = args.connections * (args.requests // args.connections)
@@ -191,6 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.join(10)
+    return 0
+
+
+def _main_runtime_only(args: argparse.Namespace) -> int:
+    out: Any = mp.Queue()
+    proc = mp.Process(target=_runtime_only,
+                      args=(out, args.requests, args.connections, args.reps))
+    proc.start()
+    try:
+        rows = []
+        for rep in range(args.reps):
+            per_s, user, kernel = out.get(timeout=300)
+            n = args.connections * (args.requests // args.connections)
+            rows.append((per_s, 1e6 * user / n, 1e6 * kernel / n))
+            print(f"round {rep + 1}: {per_s:.0f} requests/s; runtime's process CPU per "
+                  f"request: user {rows[-1][1]:.0f} us, kernel {rows[-1][2]:.0f} us", flush=True)
+        med = [statistics.median(r[i] for r in rows) for i in range(3)]
+        print(f"median: {med[0]:.0f} requests/s; runtime's process CPU per request: user "
+              f"{med[1]:.0f} us, kernel {med[2]:.0f} us, total {med[1] + med[2]:.0f} us")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.terminate()
     return 0
 
 
