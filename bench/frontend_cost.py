@@ -169,7 +169,12 @@ def _runtime_only(out: Any, requests: int, connections: int, reps: int) -> None:
         finally:
             await rt.stop()
 
-    asyncio.run(run())
+    try:  # the loop `dstack serve` runs on (uvicorn's "auto": uvloop where installed)
+        import uvloop
+    except ImportError:
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
 
 
 def request(names: tuple[str, str] = ("x", "y")) -> tuple[bytes, dict[str, str]]:
