@@ -347,9 +347,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
         lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
     print(f"    round {rep + 1} {policy} {_label(x)}: goodput {lv.good[x][-1]:.1f}/s, "
           f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
-          f"{os.getloadavg()[0]:.2f}; admission besides compute: " + "; ".join(
-              f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
-              for m, mt in terms.items()), flush=True)
+          f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
+          f"{cl.format_terms(terms)}", flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:

@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     good[x].append(t.ok / args.seconds)
                     print(f"  round {rep + 1} x{x:g}: goodput {good[x][-1]:.1f}/s, sent {t.sent}, "
                           f"refused {dict(t.refused)}, hung {t.hung}; admission besides "
-                          "compute (ms): " + "; ".join(
-                              f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
-                              for m, mt in terms.items()), flush=True)
+                          f"compute (ms): {cl.format_terms(terms)}", flush=True)
     finally:
         pin_threads(cores)
     one = good[args.levels[0]]

@@ -305,6 +305,12 @@ async def with_admission_terms(host: str, load: Any, at_s: float) -> tuple[Any, 
     return await task, terms
 
 
+def format_terms(terms: dict[str, dict[str, float]]) -> str:
+    """`with_admission_terms`' reading on one line: per model, each term (ms) and margin."""
+    return "; ".join(f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
+                     for m, mt in terms.items())
+
+
 def total(tallies: dict[str, Tally]) -> Tally:
     t = Tally()
     for x in tallies.values():
