@@ -31,11 +31,12 @@ from dstack.runtime.graphs import graphed_or_eager
 from dstack.runtime.messages import (
     BatchDone,
     BatchFailed,
-    FromWorker,
     Ready,
     RunBatch,
     StartFailed,
     Stop,
+    decode,
+    encode,
 )
 from dstack.runtime.shm import Arena, ArenaLayout
 from dstack.runtime.upload import CudaInputs, inputs_for
@@ -161,14 +162,15 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         ms1 = min(timed(1) for _ in range(5))
         ms_max = min(timed(cfg.layout.max_batch) for _ in range(3))
         freeze_startup_objects()  # no batch waits for a collection that walks torch's objects
-        conn.send(Ready(os.getpid(), ms1, ms_max, cfg.layout.max_batch))
+        conn.send_bytes(encode(Ready(os.getpid(), ms1, ms_max, cfg.layout.max_batch)))
     except Exception as e:  # noqa: BLE001 - reported to the parent, then exit
-        conn.send(StartFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        conn.send_bytes(encode(StartFailed(
+            f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")))
         return
 
     while True:
         try:
-            msg = conn.recv()
+            msg = decode(conn.recv_bytes())
         except (EOFError, OSError):
             break  # parent went away
         if isinstance(msg, Stop):
@@ -177,9 +179,10 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         start = time.monotonic()
         try:
             run(msg.n, msg.half, msg.fresh_from)
-            conn.send(BatchDone(msg.batch_id, msg.n, start, time.monotonic() - start))
+            conn.send_bytes(encode(
+                BatchDone(msg.batch_id, msg.n, start, time.monotonic() - start)))
         except Exception as e:  # noqa: BLE001 - a bad batch fails its requests, not the worker
-            conn.send(BatchFailed(msg.batch_id, f"{type(e).__name__}: {e}"))
+            conn.send_bytes(encode(BatchFailed(msg.batch_id, f"{type(e).__name__}: {e}")))
     upload.close()
     arena.close()
 
@@ -248,7 +251,7 @@ class WorkerHandle:
 
     def _on_readable(self) -> None:
         try:
-            msg: FromWorker = self._conn.recv()
+            msg = decode(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._on_eof()
             return
@@ -302,7 +305,7 @@ class WorkerHandle:
         self._pending = fut
         self.busy = True
         try:
-            self._conn.send(RunBatch(self._batch_id, n, half, fresh_from))
+            self._conn.send_bytes(encode(RunBatch(self._batch_id, n, half, fresh_from)))
         except (BrokenPipeError, OSError):
             self._on_eof()
         return fut
@@ -314,7 +317,7 @@ class WorkerHandle:
         self.state = WorkerState.STOPPED
         if self.proc.is_alive():
             try:
-                self._conn.send(Stop())
+                self._conn.send_bytes(encode(Stop()))
             except (BrokenPipeError, OSError):
                 pass
             deadline = time.monotonic() + timeout_s
