@@ -92,21 +92,30 @@ class Arena:
             self.shm = shared_memory.SharedMemory(name=name)
         self.name = self.shm.name
         self._staged = np.ndarray((HALVES,), dtype=np.int64, buffer=self.shm.buf)
+        # Per half, each region's whole view (max_batch rows), made once: a batch's views
+        # are slices of them (every batch asks for its inputs and outputs, in both
+        # processes; a view made from the buffer each time cost several us).
+        self._ins = [self._views(layout.inputs, h) for h in range(HALVES)]
+        self._outs = [self._views(layout.outputs, h) for h in range(HALVES)]
 
-    def _view(self, r: Region, n: int, half: int, first: int = 0) -> np.ndarray:
+    def _views(self, regions: tuple[Region, ...], half: int) -> list[tuple[str, np.ndarray]]:
+        return [(r.name, np.ndarray((self.layout.max_batch, *r.item_shape),
+                                    dtype=np.dtype(r.dtype), buffer=self.shm.buf,
+                                    offset=_HEADER + half * self.layout.nbytes + r.offset))
+                for r in regions]
+
+    @staticmethod
+    def _half(half: int) -> int:
         if not 0 <= half < HALVES:
             raise ValueError(f"arena half {half} (there are {HALVES})")
-        return np.ndarray((n - first, *r.item_shape), dtype=np.dtype(r.dtype),
-                          buffer=self.shm.buf,
-                          offset=_HEADER + half * self.layout.nbytes + r.offset
-                          + first * r.item_nbytes)
+        return half
 
     def inputs(self, n: int, half: int = 0, first: int = 0) -> dict[str, np.ndarray]:
         """Views of input rows [first, n) of `half`."""
-        return {r.name: self._view(r, n, half, first) for r in self.layout.inputs}
+        return {name: v[first:n] for name, v in self._ins[self._half(half)]}
 
     def outputs(self, n: int, half: int = 0) -> dict[str, np.ndarray]:
-        return {r.name: self._view(r, n, half) for r in self.layout.outputs}
+        return {name: v[:n] for name, v in self._outs[self._half(half)]}
 
     def staged_rows(self, half: int) -> int:
         """Input rows of `half` written so far for its next batch (see the module
@@ -119,8 +128,9 @@ class Arena:
         self._staged[half] = rows
 
     def close(self) -> None:
-        # Drop the view of the block (close() fails while one lives); a count stays.
+        # Drop the views of the block (close() fails while one lives); a count stays.
         self._staged = np.zeros(HALVES, dtype=np.int64)
+        self._ins = self._outs = []
         try:
             self.shm.close()
         except BufferError:  # a view is still alive somewhere; the OS reclaims at exit
