@@ -6,26 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from dstack.runtime.messages import (
-    BatchDone,
-    BatchFailed,
-    Ready,
-    RunBatch,
-    StartFailed,
-    Stop,
-    decode,
-    encode,
-)
+from dstack.runtime import messages as m
+from dstack.runtime.messages import BatchDone, RunBatch, decode, encode
 
 
 @pytest.mark.parametrize("msg", [
     RunBatch(1, 1),
     RunBatch(2**40, 32, 1, 7),
     BatchDone(3, 8, 12345.678901, 0.0021),
-    BatchFailed(4, "RuntimeError: boom"),
-    Ready(4242, 1.5, 9.25, 32),
-    StartFailed("ValueError: no such model\nTraceback ..."),
-    Stop(),
+    m.BatchFailed(4, "RuntimeError: boom"),
+    m.Ready(4242, 1.5, 9.25, 32),
+    m.StartFailed("ValueError: no such model\nTraceback ..."),
+    m.Stop(),
 ])
 def test_every_message_comes_back_as_it_was_sent(msg: object) -> None:
     assert decode(encode(msg)) == msg  # type: ignore[arg-type]
