@@ -26,6 +26,11 @@ afresh for the connection's next request. (Over TLS the bytes must be decrypted:
 through the parser as before.) So that little of such a body leaves the kernel before
 its header has been checked, the event loop reads a connection a header's worth at a time
 while it waits for a header (`SizedReads`).
+
+A body the app reads, of a declared length up to WHOLE_BODY_BYTES, is read from the socket
+straight into the one `bytes` the app is given, and handed over in one message
+(`LimitedHttpToolsProtocol._read_whole`): one copy of it out of the kernel instead of
+three, and one step of the app instead of one per 256 KB.
 """
 
 from __future__ import annotations
@@ -44,7 +49,13 @@ from http import HTTPStatus
 from typing import Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+
+from server.memory import unfilled_bytes
 
 log = logging.getLogger("dstack.server")
 
@@ -110,6 +121,10 @@ HEADER_READ_BYTES = 16 << 10
 #: holds no more of a body than before the app has checked it against the body budget.
 BODY_READ_BYTES = 256 << 10
 
+#: A body declared up to this size is read, once the app asks for it, from the socket
+#: straight into the one `bytes` the app is given (`_Whole`), and given in one message.
+WHOLE_BODY_BYTES = 1 << 20
+
 #: `refuse_at_header(path, headers, content_length, scope)`: the status, headers and body
 #: to answer a request with from its header alone, or None to hand it to the app (with
 #: what it noted in the request's ASGI `scope`).
@@ -152,6 +167,18 @@ class _Pieces:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
+class _Whole:
+    """A body being read into the `bytes` it will be given as (`view` writes it)."""
+
+    __slots__ = ("body", "view", "filled", "asked")
+
+    def __init__(self, body: bytes, view: memoryview) -> None:
+        self.body = body
+        self.view = view
+        self.filled = 0
+        self.asked = False  # the app has asked for it
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `limits` (use `with_limits` to set them)."""
 
@@ -191,6 +218,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._close_after = False  # ... and its client asked to close after the answer
         self._sink: socket.socket | None = None  # while the rest of a body is dropped
         self._sink_watched = False  # the loop calls _drop_some when the sink has bytes
+        self._whole: _Whole | None = None  # the body being read straight into its bytes
 
     # -- connection
 
@@ -204,16 +232,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._whole = None
         self._stop_sink()
         self._waiting.pop(self, None)
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
-        if (self._reading_body and self._body_left > 0 and self._sink_ok()
-                and not self.transport.is_closing() and self._drop_in_kernel()):
-            # answered before its body has all come: the rest is dropped in the kernel
-            self.server_state.total_requests += 1  # as uvicorn counts it
-            return
+        cycle = self.cycle
+        # The request being read was answered before its body has all come (else the
+        # answer is to one before it, pipelined, and the body being read is another's).
+        if self._reading_body and cycle is not None and cycle.response_complete:
+            if self._whole is not None:
+                self._whole.asked = True  # read the rest to drop it (over TLS)
+            if (self._body_left > 0 and self._sink_ok() and not self.transport.is_closing()
+                    and self._drop_in_kernel()):  # the rest is dropped in the kernel
+                self.server_state.total_requests += 1  # as uvicorn counts it
+                return
         super().on_response_complete()
         self._wait_if_idle()
 
@@ -270,12 +304,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._last_body_at = self.loop.time()
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
         if not self._answer_from_header():
+            started = self.cycle
             super().on_headers_complete()
+            cycle = self.cycle
+            if (cycle is not started and not self.pipeline and not self.expect_100_continue
+                    and 0 < self._body_left <= WHOLE_BODY_BYTES):
+                self._read_whole(cycle)
 
     def on_body(self, body: bytes) -> None:
         self._last_body_at = self.loop.time()
         self._body_left -= len(body)
-        if not self._answered_here:
+        whole = self._whole
+        if whole is not None:  # what came with the header
+            whole.view[whole.filled:whole.filled + len(body)] = body
+            whole.filled += len(body)
+        elif not self._answered_here:
             cycle = self.cycle
             if cycle is not None and type(cycle.body) is bytearray and not cycle.body:
                 cycle.body = _Pieces()  # type: ignore[assignment]
@@ -285,10 +328,62 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._answered_here:
             self._body_done()
             return
+        whole, self._whole = self._whole, None
+        cycle = self.cycle
+        if whole is not None and cycle is not None and not cycle.response_complete:
+            cycle.body = whole.body  # type: ignore[assignment]  # receive() gives it as is
         self._reading_body = False
         self._disarm()
         super().on_message_complete()
         self._wait_if_idle()
+
+    # -- bodies read whole
+
+    def _read_whole(self, cycle: RequestResponseCycle) -> None:
+        """Read the body of the request just parsed, of `_body_left` bytes, into one
+        `bytes` made for it (`_Whole`), which the app's receive() is then given in one
+        message. uvicorn's way (256 KB reads copied into new `bytes`, copied again by the
+        parser into a piece, each piece a message that wakes the app, which copies it into
+        its body; reading paused and resumed between pieces) cost a 600 KB body two more
+        copies of itself and a dozen more steps of the loop. Until the app first asks for
+        the body (once it has taken the body budget for it) no more than BODY_READ_BYTES of
+        it is read, as before."""
+        made = unfilled_bytes(self._body_left)
+        if made is None:
+            return
+        self._whole = _Whole(*made)
+        receive = cycle.receive
+
+        async def asked() -> Any:
+            whole = self._whole
+            if whole is not None and cycle is self.cycle:
+                whole.asked = True  # receive() resumes reading
+            return await receive()
+
+        cycle.receive = asked  # type: ignore[method-assign]
+
+    def whole_buffer(self) -> memoryview | None:
+        """Where the next read goes (`SizedReads`): the rest of the body being read whole,
+        or None (the server's buffer, fed to the parser)."""
+        whole = self._whole
+        if whole is None:
+            return None
+        room = self._body_left if whole.asked else BODY_READ_BYTES - whole.filled
+        return whole.view[whole.filled:whole.filled + max(1, min(room, self._body_left))]
+
+    def whole_read(self, n: int) -> None:
+        """`n` more bytes of the body being read whole came into `whole_buffer()`."""
+        whole = self._whole
+        assert whole is not None
+        whole.filled += n
+        self._body_left -= n
+        self._last_body_at = self.loop.time()
+        if self._body_left == 0:
+            self.on_message_complete()
+            self.parser = httptools.HttpRequestParser(self)  # it never saw this body
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        elif not whole.asked and whole.filled >= BODY_READ_BYTES:
+            self.flow.pause_reading()  # until the app asks
 
     # -- answers from the header
 
@@ -373,6 +468,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return False
         sink.setblocking(False)
         self._sink = sink
+        self._whole = None  # its rest is dropped, not read
         self.flow.pause_reading()
         self._drop_some()
         return True
@@ -572,7 +668,9 @@ class SizedReads(asyncio.BufferedProtocol):
     server, of the size `inner.read_size()` asks for (HEADER_READ_BYTES while a header is
     awaited), and the parser is fed a view of it, not a copy: it copies out what it keeps
     (URL, headers, body pieces), and nothing holds the view after `data_received`
-    returns, so the next read may reuse the buffer.
+    returns, so the next read may reuse the buffer. A body read whole (up to
+    WHOLE_BODY_BYTES) goes from the kernel straight into its own `bytes`
+    (`inner.whole_buffer()`), past the parser.
     """
 
     __slots__ = ("_protocol",)
@@ -586,10 +684,14 @@ class SizedReads(asyncio.BufferedProtocol):
         self._protocol.connection_made(transport)  # type: ignore[arg-type]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._buffer[:self._protocol.read_size()]
+        whole = self._protocol.whole_buffer()
+        return self._buffer[:self._protocol.read_size()] if whole is None else whole
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._protocol.data_received(self._buffer[:nbytes])  # type: ignore[arg-type]
+        if self._protocol._whole is not None:  # get_buffer gave its whole_buffer()
+            self._protocol.whole_read(nbytes)
+        else:
+            self._protocol.data_received(self._buffer[:nbytes])  # type: ignore[arg-type]
 
     def eof_received(self) -> bool | None:
         return self._protocol.eof_received()

@@ -54,7 +54,8 @@ log = logging.getLogger("dstack.server")
 
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 
-#: Bytes of a body read between two checks of its deadline while it arrives.
+#: Bytes of a body read between two checks of its deadline while it arrives. (A body of
+#: up to `server.connection.WHOLE_BODY_BYTES`, no more than this, comes in one message.)
 CHECK_EVERY_BYTES = 1 << 20
 
 #: The scope key `HeaderRefusal` sets (to the model) when it let a request through with a

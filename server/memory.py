@@ -70,6 +70,18 @@ def _bytes_api() -> tuple[Callable[..., bytes], Callable[[bytes], int]] | None:
 _BYTES = _bytes_api()
 
 
+def unfilled_bytes(size: int) -> tuple[bytes, memoryview] | None:
+    """A new `bytes` of `size` whose contents are not yet written, and a writable view of
+    them, to fill before anyone else sees the object (which is then immutable to all); None
+    elsewhere than CPython. Made as C code makes one (`PyBytes_FromStringAndSize(NULL,
+    size)`): the OS gives its pages a few at a time, as they are written."""
+    if _BYTES is None:
+        return None
+    body = _BYTES[0](None, size)
+    view = memoryview((ctypes.c_char * size).from_address(_BYTES[1](body))).cast("B")
+    return body, view
+
+
 class BodyBuffer:
     """A request body received piece by piece, given whole by `result()` as one `bytes`.
 
@@ -78,9 +90,8 @@ class BodyBuffer:
     app: no list of pieces joined at the end. That join was a copy of the whole body in
     one step of the event loop (27 ms for 19 MB, 30 ms for 60 MB, most of it the OS
     giving the new pages) and twice the body in memory at its end. The `bytes` is made
-    uninitialised (`PyBytes_FromStringAndSize(NULL, size)`, what C code does to build
-    one), so the OS gives its pages a few at a time, as the pieces are copied in; nobody
-    else sees the object until `result()`, so it is immutable to everyone.
+    unfilled (`unfilled_bytes`), so the OS gives its pages a few at a time, as the pieces
+    are copied in; nobody else sees the object until `result()`.
 
     A body of one piece is that piece (no copy). Without a size (chunked), beyond it, or
     elsewhere than CPython, the pieces are kept and joined at the end, as before."""
@@ -90,24 +101,24 @@ class BodyBuffer:
         self.filled = 0  # bytes written
         self._pieces: list[bytes] = []
         self._body: bytes | None = None  # the preallocated body, while being filled
-        self._addr = 0
+        self._view: memoryview | None = None  # ... and a writable view of it
 
     def write(self, piece: bytes) -> None:
         n = len(piece)
         if not n:
             return
-        if self._body is None and len(self._pieces) == 1 and self.filled + n <= self.size \
-                and _BYTES is not None:
-            self._body = _BYTES[0](None, self.size)
-            self._addr = _BYTES[1](self._body)
-            self._copy(self._pieces.pop(), 0)
-        if self._body is not None:
+        if self._body is None and len(self._pieces) == 1 and self.filled + n <= self.size:
+            made = unfilled_bytes(self.size)
+            if made is not None:
+                self._body, self._view = made
+                self._view[:self.filled] = self._pieces.pop()
+        if self._view is not None:
             if self.filled + n <= self.size:
-                self._copy(piece, self.filled)
+                self._view[self.filled:self.filled + n] = piece
                 self.filled += n
                 return
             self._pieces = [self._written()]  # more than announced: keep pieces from here
-            self._body = None
+            self._body = self._view = None
         self._pieces.append(piece)
         self.filled += n
 
@@ -119,11 +130,10 @@ class BodyBuffer:
             body = self._pieces[0]
         else:
             body = b"".join(self._pieces)
-        self._body, self._pieces, self.filled = None, [], 0
+        self._body = self._view = None
+        self._pieces, self.filled = [], 0
         return body
 
-    def _copy(self, piece: bytes, at: int) -> None:
-        ctypes.memmove(self._addr + at, piece, len(piece))
-
     def _written(self) -> bytes:
-        return ctypes.string_at(self._addr, self.filled)
+        assert self._view is not None
+        return bytes(self._view[:self.filled])
