@@ -179,6 +179,37 @@ class _Whole:
         self.asked = False  # the app has asked for it
 
 
+class _HeadWithBody:
+    """The transport as a request's cycle sees it: uvicorn writes an answer's header and
+    its body in two writes, each a send to the socket; the header is held here and sent
+    with the body's first write (or when the cycle closes the connection). Not for an
+    answer to HEAD, which has no body to write."""
+
+    __slots__ = ("_transport", "_head", "_fresh")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._head: bytes | None = None
+        self._fresh = True  # nothing of the answer written yet
+
+    def write(self, data: bytes) -> None:
+        if self._fresh and not data.startswith(b"HTTP/1.1 100 "):  # not `100 Continue`
+            self._fresh = False
+            self._head = data
+            return
+        head, self._head = self._head, None
+        self._transport.write(data if head is None else head + data)
+
+    def close(self) -> None:
+        if self._head is not None:
+            self._transport.write(self._head)
+            self._head = None
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `limits` (use `with_limits` to set them)."""
 
@@ -307,9 +338,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             started = self.cycle
             super().on_headers_complete()
             cycle = self.cycle
-            if (cycle is not started and not self.pipeline and not self.expect_100_continue
-                    and 0 < self._body_left <= WHOLE_BODY_BYTES):
-                self._read_whole(cycle)
+            if cycle is not started and self.scope["method"] != "HEAD":  # a body follows
+                cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment]
+                if (not self.pipeline and not self.expect_100_continue
+                        and 0 < self._body_left <= WHOLE_BODY_BYTES):
+                    self._read_whole(cycle)
 
     def on_body(self, body: bytes) -> None:
         self._last_body_at = self.loop.time()

@@ -1,7 +1,9 @@
-"""Bodies read from the socket straight into the `bytes` the app is given
-(`server.connection`, `WHOLE_BODY_BYTES`), on a real uvicorn with the server's own protocol
-over a fake backend: whole and byte for byte, the connection's next requests parsed from
-where each body ends, and no more of a body read than before until the app asks for it."""
+"""How the server's connection reads requests and writes answers (`server.connection`), on
+a real uvicorn with the server's own protocol over a fake backend. Bodies are read from the
+socket straight into the `bytes` the app is given (`WHOLE_BODY_BYTES`): whole and byte for
+byte, the connection's next requests parsed from where each body ends, and no more of a
+body read than before until the app asks for it. An answer's header is written with its
+body: `100 Continue` still goes ahead of the body, HEAD and closing answers come whole."""
 
 from __future__ import annotations
 
@@ -97,3 +99,38 @@ def test_no_more_of_a_body_is_read_than_one_read_until_the_app_asks_for_it(
     before = [filled for filled, asked in reads if not asked]
     assert before and max(before) <= connection.BODY_READ_BYTES
     assert reads[-1] == (len(big), True)
+
+
+def _read_until_closed(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def test_continue_head_and_closing_answers_come_whole() -> None:
+    """`Expect: 100-continue`: the client reads `100 Continue` before it sends the body,
+    then the answer. HEAD: the header with a length and no body, and the connection
+    goes on. `Connection: close`: the whole answer, then the close."""
+    with _serving() as (addr, _), socket.create_connection(addr, timeout=10) as s:
+        s.sendall(_head(len(VALID)).replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n"))
+        assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(VALID)
+        status, _, answer = _responses(s, 1)[0]
+        assert status == 200 and _doubled(answer) == [2, 4, 6]
+
+        s.sendall(b"HEAD /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += s.recv(1)
+        assert head.startswith(b"HTTP/1.1 ") and b"content-length: " in head.lower()
+        s.sendall(_head(len(VALID)) + VALID)  # nothing of a body came after the HEAD's header
+        status, _, answer = _responses(s, 1)[0]
+        assert status == 200 and _doubled(answer) == [2, 4, 6]
+
+        s.sendall(_head(len(VALID)).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+                  + VALID)
+        raw = _read_until_closed(s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" in head.lower()
+    assert _doubled(body) == [2, 4, 6]
