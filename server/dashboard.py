@@ -3,8 +3,8 @@ all served from `server/static/`, nothing from elsewhere) and the JSON it polls,
 `GET /v1/dashboard/data`.
 
 `install_dashboard` is the one hook `create_app` calls. It adds:
-- `InferTimer`, an ASGI middleware that times each infer request answered 200 (from the
-  request reaching the app to the response starting) into a `LatencyHistogram`, also
+- a `LatencyHistogram` (`History.latency`), into which the infer route times each request
+  answered 200 (from the request reaching the app, its body read, to its answer), also
   exported at `/metrics` as the histogram `dstack_request_duration_seconds`;
 - a `History` (ring buffer of the backend's counters), sampled once a second by a task
   that the app's lifespan starts and stops. Without a lifespan (tests over ASGI) nothing
@@ -26,7 +26,6 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.backend import InferenceBackend
 from server.history import History, LatencyHistogram
@@ -37,37 +36,6 @@ log = logging.getLogger("dstack.server")
 STATIC = Path(__file__).parent / "static"
 # The page runs only its own scripts and styles and talks only to this server.
 CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
-
-
-def _infer_model(path: str) -> str | None:
-    """`m` of /v2/models/m/infer and /v2/models/m/versions/v/infer, else None."""
-    p = path.split("/")
-    if p[-1] != "infer" or len(p) not in (5, 7) or p[1:3] != ["v2", "models"]:
-        return None
-    return p[3]
-
-
-class InferTimer:
-    """Times infer requests answered 200 into `latency` (refusals and errors are left
-    out: they are answered fast and would pull the percentiles down)."""
-
-    def __init__(self, app: ASGIApp, latency: LatencyHistogram) -> None:
-        self.app = app
-        self.latency = latency
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        model = _infer_model(scope["path"]) if scope["type"] == "http" else None
-        if model is None:
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-
-        async def send_timed(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 200:
-                self.latency.observe(model, time.perf_counter() - t0)
-            await send(message)
-
-        await self.app(scope, receive, send_timed)
 
 
 class LatencyCollector(Collector):
@@ -130,7 +98,6 @@ def install_dashboard(app: FastAPI, backend: InferenceBackend, metrics: Metrics,
     history = History(backend, latency)
     app.state.dashboard = history
     metrics.registry.register(LatencyCollector(latency, version))
-    app.add_middleware(InferTimer, latency=latency)
 
     router = APIRouter()
 

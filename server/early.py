@@ -38,7 +38,6 @@ meanwhile are checked with it counted.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Callable
@@ -48,11 +47,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
 from server.connection import ASKED_AT_HEADER, RECEIVED_AT
-from server.limits import error_json, refuse
+from server.limits import error_json, refuse, retry_after
 
 log = logging.getLogger("dstack.server")
 
-_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+#: POST /v2/models/{model}[/versions/{version}]/infer: the model, the version or None.
+INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 
 #: Bytes of a body read between two checks of its deadline while it arrives. (A body of
 #: up to `server.connection.WHOLE_BODY_BYTES`, no more than this, comes in one message.)
@@ -92,7 +92,7 @@ class EarlyRefusal:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            m = _INFER.match(scope["path"])
+            m = INFER_PATH.match(scope["path"])
             if m is not None and m.group(2) in (None, self.version):
                 model = m.group(1)
                 try:
@@ -118,7 +118,7 @@ class EarlyRefusal:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, model: str,
                       e: DStackError) -> None:
         _counted(self.count, model, e)
-        await refuse(scope, receive, send, e.status_code, e.message, headers=_retry_after(e),
+        await refuse(scope, receive, send, e.status_code, e.message, headers=retry_after(e),
                      drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
 
     def _watched(self, scope: Scope, receive: Receive, model: str) -> Receive:
@@ -168,7 +168,7 @@ class HeaderRefusal:
 
     def __call__(self, path: str, headers: list[tuple[bytes, bytes]], length: int,
                  scope: dict[str, Any] | None = None) -> Answer | None:
-        m = _INFER.match(path)
+        m = INFER_PATH.match(path)
         if (m is None or m.group(2) not in (None, self.version) or length > self.max_body_bytes
                 or (self.allowed is not None and not self.allowed(path, headers))):
             return None
@@ -184,7 +184,7 @@ class HeaderRefusal:
         except DStackError as e:
             _counted(self.count, model, e)
             return e.status_code, [(b"content-type", b"application/json"),
-                                   *_retry_after(e)], error_json(e.message, e.rule)
+                                   *retry_after(e)], error_json(e.message, e.rule)
         if hold:
             scope[HELD] = model  # type: ignore[index]
         return None
@@ -194,8 +194,3 @@ def _counted(count: Callable[[str, str], None], model: str, e: DStackError) -> N
     count(model, e.reason)
     if e.status_code >= 500 and not e.logged:  # as the app's handler does
         log.warning("%s: %s", type(e).__name__, e.message)
-
-
-def _retry_after(e: DStackError) -> list[tuple[bytes, bytes]]:
-    return [] if e.retry_after_s is None else [
-        (b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())]

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dstack.common.errors import DStackError
 from server.memory import TRIM_AFTER_BYTES, BodyBuffer, release_freed_memory
 
 DRAIN_FACTOR = 4
@@ -51,6 +53,12 @@ def error_json(message: str, reason: str | None = None) -> bytes:
     """The body of an error answer: `{"error": message}`, and `"reason"` when given."""
     doc = {"error": message} if reason is None else {"error": message, "reason": reason}
     return json.dumps(doc).encode()
+
+
+def retry_after(e: DStackError) -> list[tuple[bytes, bytes]]:
+    """The `Retry-After` header `e` asks for (whole seconds, at least 1), or none."""
+    return [] if e.retry_after_s is None else [
+        (b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())]
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
