@@ -36,7 +36,7 @@ from server import codec
 from server.connection import RECEIVED_AT
 from server.dashboard import install_dashboard
 from server.early import HELD, INFER_PATH
-from server.limits import error_json, retry_after
+from server.limits import error_json, header, retry_after
 from server.metrics import CONTENT_TYPE, Metrics
 from server.model_config import triton_model_config
 
@@ -59,6 +59,11 @@ def _version() -> str:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+def _internal(e: Exception) -> str:
+    """What an unexpected exception is answered with (500)."""
+    return f"internal error: {type(e).__name__}: {e}"
 
 
 class _CatchAll:
@@ -88,14 +93,15 @@ class _CatchAll:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise
-            resp = _error(500, f"internal error: {type(e).__name__}: {e}")
+            resp = _error(500, _internal(e))
             await resp(scope, receive, send)
 
 
 async def read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> bytes:
     """The whole body, refused with 413 as soon as it is known to exceed the limit:
     from Content-Length before reading anything, else while streaming (chunked)."""
-    declared = header(scope, b"content-length")
+    value = header(scope, b"content-length")
+    declared = None if value is None else value.decode("latin-1")
     if declared is not None:
         try:
             n = int(declared)
@@ -124,14 +130,6 @@ async def read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> byte
 
 #: The binary extension's header, as ASGI has it.
 HEADER_LENGTH = codec.HEADER_LENGTH.lower().encode()
-
-
-def header(scope: Scope, name: bytes) -> str | None:
-    """The value of the request header `name` (lower case), or None."""
-    for k, v in scope["headers"]:
-        if k == name:
-            return v.decode("latin-1")  # type: ignore[no-any-return]
-    return None
 
 
 def _error_answer(e: DStackError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -382,7 +380,7 @@ def create_app(
             return
         except Exception as e:
             log.exception("unhandled error on POST %s", scope["path"])
-            await _answer(send, 500, [], error_json(f"internal error: {type(e).__name__}: {e}"))
+            await _answer(send, 500, [], error_json(_internal(e)))
             return
         latency.observe(model, time.perf_counter() - t0)
         if hlen is None:
@@ -399,7 +397,8 @@ def create_app(
         body = await read_body(scope, receive, max_body_bytes)
         if observe_body is not None:
             observe_body(model, time.monotonic() - received)
-        head = codec.parse_request(body, header(scope, HEADER_LENGTH), spec)
+        hlen = header(scope, HEADER_LENGTH)
+        head = codec.parse_request(body, None if hlen is None else hlen.decode("latin-1"), spec)
         held = scope.pop(HELD, None)
         if held is not None and release is not None:
             release(held)

@@ -413,10 +413,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._last_body_at = self.loop.time()
         if self._body_left == 0:
             self.on_message_complete()
-            self.parser = httptools.HttpRequestParser(self)  # it never saw this body
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            self._new_parser()  # it never saw this body
         elif not whole.asked and whole.filled >= BODY_READ_BYTES:
             self.flow.pause_reading()  # until the app asks
+
+    def _new_parser(self) -> None:
+        """A parser for the connection's next request, as uvicorn makes one."""
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
 
     # -- answers from the header
 
@@ -548,8 +552,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._last_body_at = self.loop.time()
             if self._body_left == 0:
                 self._stop_sink()
-                self.parser = httptools.HttpRequestParser(self)  # the next request afresh
-                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+                self._new_parser()  # the next request afresh
                 self.flow.resume_reading()
                 self._body_done()
                 return

@@ -42,7 +42,8 @@ class BodyBudget:
         self.used_bytes -= n
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The value of the request header `name` (lower case), or None."""
     for k, v in scope["headers"]:
         if k == name:
             return v  # type: ignore[no-any-return]
@@ -93,7 +94,7 @@ async def drain(scope: Scope, receive: Receive, drain_bytes: int) -> None:
     that closing the connection after the answer does not reset it mid-upload (the client
     would see a broken pipe instead of the answer)."""
     # With `Expect: 100-continue` the client waits for our word and sends nothing: no drain.
-    left = 0 if _header(scope, b"expect") else drain_bytes
+    left = 0 if header(scope, b"expect") else drain_bytes
     while left > 0:
         msg = await receive()
         if msg["type"] != "http.request" or not msg.get("more_body", False):
@@ -104,7 +105,7 @@ async def drain(scope: Scope, receive: Receive, drain_bytes: int) -> None:
 def closes_after(scope: Scope) -> bool:
     """Whether the server closes the connection after answering this request (the client
     asked for it, or HTTP/1.0 without keep-alive)."""
-    conn = (_header(scope, b"connection") or b"").lower()
+    conn = (header(scope, b"connection") or b"").lower()
     if scope.get("http_version") == "1.0":
         return b"keep-alive" not in conn
     return b"close" in conn
@@ -131,8 +132,8 @@ class BodyLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = _header(scope, b"content-length")
-        if length is None and _header(scope, b"transfer-encoding") is None:
+        length = header(scope, b"content-length")
+        if length is None and header(scope, b"transfer-encoding") is None:
             await self.app(scope, receive, send)  # no body
             return
         declared = int(length) if length is not None and length.isdigit() else 0
