@@ -42,6 +42,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -217,8 +218,6 @@ def overload(args: argparse.Namespace) -> list[Row]:
     next to each other in time, and the machine's noise falls on the policies, and on the
     levels, alike. Ratios are medians over the rounds. A server waits idle (its CPU is
     reported as "idle servers") while another is measured."""
-    import statistics
-
     front = {"cores": args.frontend_cores} if args.frontend_cores else None
     host = available_cores()
     load = tuple(args.load_cores or ())
@@ -294,8 +293,6 @@ def overload(args: argparse.Namespace) -> list[Row]:
 
 def _median_terms(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Each model's admission terms, the median over the rounds that read them."""
-    import statistics
-
     out: dict[str, dict[str, float]] = {}
     for m in {m for r in rounds for m in r}:
         for k in {k for r in rounds for k in r.get(m, {})}:
