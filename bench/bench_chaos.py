@@ -60,9 +60,9 @@ import yaml
 from bench import chaos_load as cl
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
-from bench.servers import ROOT, Server, get_json, serving
+from bench.servers import ROOT, Server, get_json, loop_late, serving
 from dstack.common.config import DeployConfig
-from dstack.common.pauses import freeze_startup_objects
+from dstack.common.pauses import Lateness, freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
 
 #: The two-model mixes, per `--mix`: `cpu` (this machine's cores as slices) and `h100`
@@ -164,7 +164,7 @@ def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
     machine one noisy window moved it by 2x from run to run.)"""
     best, best_good = scales[0], -1.0
     for s in scales:
-        res, _ = run(cl.open_loop_sharded(srv.host, {m: r * s for m, r in base.items()},
+        res, _, _ = run(cl.open_loop_sharded(srv.host, {m: r * s for m, r in base.items()},
                                           slos, seconds, seed=int(s * 10), procs=LOAD_PROCS))
         good = sum(t.ok for t in res.values()) / seconds
         att = min(t.ok / t.sent if t.sent else 0.0 for t in res.values())
@@ -209,6 +209,11 @@ class _Levels:
     # model -> term -> ms, by round
     terms: dict[int | str, list[dict[str, dict[str, float]]]] = field(
         default_factory=lambda: {x: [] for x in _KEYS})
+    # how late the server's and the load generator's loop timers fired, over the rounds
+    server_late: dict[int | str, Lateness] = field(
+        default_factory=lambda: {x: Lateness() for x in _KEYS})
+    client_late: dict[int | str, Lateness] = field(
+        default_factory=lambda: {x: Lateness() for x in _KEYS})
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
@@ -270,7 +275,9 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "health_p50_p99_ms": (round(cl.pct(lv.floors[x], 50), 1),
                                                round(cl.pct(lv.floors[x], 99), 1)),
                          "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()},
-                         "admission_ms": _median_terms(lv.terms[x])}
+                         "admission_ms": _median_terms(lv.terms[x]),
+                         "server_loop": lv.server_late[x].summary(),
+                         "load_generator_loop": lv.client_late[x].summary()}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
                     one = lv.per_model[1].get(m, 0)
@@ -318,13 +325,17 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     before = {k: cl.cpu_s(p) for k, p in every.items()}
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
+    late0 = loop_late(lv.srv.host)
     t0 = time.monotonic()
-    ((res, shards_cpu), terms), floor = run(_with_floor(lv.srv.host, cl.with_admission_terms(
-        lv.srv.host, cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
-                                          seed=100 * rep + _times(x), procs=LOAD_PROCS),
-        0.75 * args.overload_seconds)))
+    load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
+                                seed=100 * rep + _times(x), procs=LOAD_PROCS)
+    ((res, shards_cpu, client_late), terms), floor = run(_with_floor(
+        lv.srv.host, cl.with_admission_terms(lv.srv.host, load, 0.75 * args.overload_seconds)))
     lv.terms[x].append(terms)
     wall = time.monotonic() - t0
+    server_late = loop_late(lv.srv.host).since(late0)
+    lv.server_late[x].merge(server_late)
+    lv.client_late[x].merge(client_late)
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
     cores["load generator"] = (sum(os.times()[:2]) - load0 + shards_cpu) / wall
@@ -345,7 +356,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     print(f"    round {rep + 1} {policy} {_label(x)}: goodput {lv.good[x][-1]:.1f}/s, "
           f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
           f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
-          f"{cl.format_terms(terms)}", flush=True)
+          f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
+          f"generator's {client_late.summary()}", flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
@@ -744,6 +756,8 @@ def notes(rows: list[Row]) -> str:
                        + "HTTP floor (GET health) p50 / p99 "
                        f"{r['health_p50_p99_ms'][0]:g} / {r['health_p50_p99_ms'][1]:g} ms, "
                        f"cores used {r['cores_used']}, "
+                       f"server's loop {r['server_loop']}, load generator's "
+                       f"{r['load_generator_loop']}, "
                        f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%), "
                        f"refusal p50 / p99 {r['refusal_p50_ms']:.1f} / {r['refusal_p99_ms']:.1f}"
                        " ms (p99 < 5); by reason (p50, p99): "

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from bench import chaos_load as cl
-from bench.servers import ROOT, serving
+from bench.servers import ROOT, loop_late, serving
 from dstack.common.slices import available_cores, pin_threads
 
 CONFIG = ROOT / "configs/bench-frontend.yaml"
@@ -60,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                                      2.0))  # warm
             for rep in range(args.reps):
                 for x in args.levels:
-                    cpu0, t0 = cl.cpu_s(srv.pid), time.monotonic()
+                    cpu0, t0, late0 = cl.cpu_s(srv.pid), time.monotonic(), loop_late(srv.host)
                     load = cl.open_loop_sharded(
                         srv.host, {m: args.rate * x * f for m, f in share.items()}, slos,
                         args.seconds, seed=100 * rep + int(x), procs=args.load_procs)
-                    (res, _), terms = asyncio.run(
+                    (res, _, client_late), terms = asyncio.run(
                         cl.with_admission_terms(srv.host, load, 0.75 * args.seconds))
                     used[x] += (cl.cpu_s(srv.pid) - cpu0) / (time.monotonic() - t0) / args.reps
+                    server_late = loop_late(srv.host).since(late0)
                     for m, tm in res.items():
                         per_model[x][m] += tm.ok / args.seconds / args.reps
                     t = cl.total(res)
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                     good[x].append(t.ok / args.seconds)
                     print(f"  round {rep + 1} x{x:g}: goodput {good[x][-1]:.1f}/s, sent {t.sent}, "
                           f"refused {dict(t.refused)}, hung {t.hung}; admission besides "
-                          f"compute (ms): {cl.format_terms(terms)}", flush=True)
+                          f"compute (ms): {cl.format_terms(terms)}; server's loop "
+                          f"{server_late.summary()}; load generator's "
+                          f"{client_late.summary()}", flush=True)
     finally:
         pin_threads(cores)
     one = good[args.levels[0]]

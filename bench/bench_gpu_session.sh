@@ -7,11 +7,22 @@
 # generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
 # OVERLOAD_ARGS="--capacity-scale 8"). Servers share one MPS daemon. Each step has its own
 # timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
-# usage: bash bench/bench_gpu_session.sh [STEPS]   (default: all; e.g. "sweep trace")
+# A bare lent machine first needs `setup`: the wheels carried in .whl/ (docs/gpu.md) installed
+# into /tmp/site and the Cython modules built in place.
+# usage: bash bench/bench_gpu_session.sh [STEPS]   (default: all; e.g. "setup sweep trace")
 set -u
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" out/chaos
 STEPS=${1:-"probe sweep trace tests shadow transfer green"}
+case " $STEPS " in *" setup "*)
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 3
+    export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
+  fi
+  python3 setup.py -q build_ext --inplace > "$OUT/logs/build.txt" 2>&1 \
+    || { tail -20 "$OUT/logs/build.txt"; exit 4; } ;;
+esac
 SWEEP_S=${SWEEP_S:-300}
 MODELS="resnet50 vgg19 mobilenet_v3_large efficientnet_b0 densenet121 vit_b_16"
 BS=1,2,4,8,16,32,64

@@ -26,6 +26,7 @@ from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
 from bench.servers import admission_terms, get_json
+from dstack.common.pauses import Lateness
 
 
 @dataclass
@@ -189,12 +190,14 @@ def _burn(cores: float, nice: int, chunk: int = 600_000) -> None:
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                     duration_s: float, *, seed: int = 1, hang_s: float = 10.0,
                     max_inflight: int = 1024, stop: asyncio.Event | None = None,
-                    fresh_connections: bool = False) -> dict[str, Tally]:
+                    fresh_connections: bool = False,
+                    loop_late: Lateness | None = None) -> dict[str, Tally]:
     """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (or until
     `stop` is set); each request one item, binary, sent by `LeanClient` (cheap in this
     process, which shares the server's cores). Latency from send to full answer.
     `fresh_connections`: each request on a new connection, closed after it (as from many
-    clients), instead of kept-alive ones reused."""
+    clients), instead of kept-alive ones reused. `loop_late`: counts how late a 10 ms
+    timer of this process's loop fired meanwhile (the sender's own hold-ups)."""
     rng = np.random.default_rng(seed)
     metas = {m: get_json(f"{host}/v2/models/{m}") for m in rates}
     client = LeanClient(host, fresh=fresh_connections)
@@ -220,6 +223,13 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
             t1 = time.perf_counter()
             t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
 
+    async def tick(late: Lateness) -> None:  # as the server's is (`Runtime.loop_late`)
+        while True:
+            due = time.perf_counter() + 0.01
+            await asyncio.sleep(0.01)
+            late.add(max(0.0, time.perf_counter() - due))
+
+    ticker = asyncio.create_task(tick(loop_late)) if loop_late is not None else None
     try:
         arrivals: list[tuple[float, str]] = []
         for m, rate in rates.items():
@@ -239,20 +249,25 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
             tasks.append(asyncio.create_task(one(m)))
         await asyncio.gather(*tasks)
     finally:
+        if ticker is not None:
+            ticker.cancel()
         client.close()
     return out
 
 
 async def open_loop_sharded(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                             duration_s: float, *, seed: int = 1, procs: int = 1
-                            ) -> tuple[dict[str, Tally], float]:
+                            ) -> tuple[dict[str, Tally], float, Lateness]:
     """`open_loop` split over `procs` processes (each a `procs`-th of every rate, a seed of
     its own), for loads one Python process cannot send: on a machine with cores to spare
-    for the client, thousands of 600 KB requests a second. Returns the merged tallies and
-    the CPU seconds the shards used (they are not this process's children: the forkserver's,
-    so `os.times()` does not count them). procs 1: `open_loop` here, 0 s."""
+    for the client, thousands of 600 KB requests a second. Returns the merged tallies, the
+    CPU seconds the shards used (they are not this process's children: the forkserver's,
+    so `os.times()` does not count them) and their loops' lateness together. procs 1:
+    `open_loop` here, 0 s."""
     if procs <= 1:
-        return await open_loop(host, rates, slos_ms, duration_s, seed=seed), 0.0
+        late = Lateness()
+        return (await open_loop(host, rates, slos_ms, duration_s, seed=seed, loop_late=late),
+                0.0, late)
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")  # forks from a clean, single-threaded process
@@ -275,11 +290,12 @@ async def open_loop_sharded(host: str, rates: dict[str, float], slos_ms: dict[st
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
-    merged = {m: Tally() for m in rates}
-    for tallies, _ in results:
+    merged, late = {m: Tally() for m in rates}, Lateness()
+    for tallies, _, shard_late in results:
         for m, t in tallies.items():
             merged[m].add(t)
-    return merged, sum(cpu for _, cpu in results)
+        late.merge(shard_late)
+    return merged, sum(cpu for _, cpu, _ in results), late
 
 
 def _shard(conn: Any, host: str, rates: dict[str, float], slos_ms: dict[str, float],
@@ -288,8 +304,10 @@ def _shard(conn: Any, host: str, rates: dict[str, float], slos_ms: dict[str, flo
 
     freeze_startup_objects()
     time.sleep(max(0.0, start_at - time.time()))
-    tallies = asyncio.run(open_loop(host, rates, slos_ms, duration_s, seed=seed))
-    conn.send((tallies, sum(os.times()[:2])))
+    late = Lateness()
+    tallies = asyncio.run(open_loop(host, rates, slos_ms, duration_s, seed=seed,
+                                    loop_late=late))
+    conn.send((tallies, sum(os.times()[:2]), late))
     conn.close()
 
 

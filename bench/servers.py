@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from dstack.common.pauses import LATE_BOUNDS_S, Lateness
+
 ROOT = Path(__file__).resolve().parents[1]
 DSTACK = Path(sys.executable).with_name("dstack")
 #: How to start the CLI: the installed script, else this interpreter on the source tree
@@ -130,6 +132,28 @@ def admission_terms(host: str) -> dict[str, dict[str, float]]:
                     1000 * sample.value)
             elif sample.name == "dstack_admission_margin":
                 out.setdefault(sample.labels["model"], {})["margin"] = sample.value
+    return out
+
+
+def loop_late(host: str) -> Lateness:
+    """The server's `dstack_event_loop_late_seconds` histogram (/metrics) as counts: how
+    late each tick of its event loop's 10 ms timer fired since it started."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out, below = Lateness(), 0
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "dstack_event_loop_late_seconds":
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                i = LATE_BOUNDS_S.index(le) if le in LATE_BOUNDS_S else len(LATE_BOUNDS_S)
+                out.counts[i] = int(sample.value) - below  # buckets come in order
+                below = int(sample.value)
+            elif sample.name.endswith("_sum"):
+                out.sum_s = sample.value
     return out
 
 

@@ -19,10 +19,12 @@ import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from dstack.common.backend import InferenceBackend
+from dstack.common.pauses import LATE_BOUNDS_S, Lateness
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FAILURE_REASONS = ("rejected", "slo_refused", "backend", "unavailable")
@@ -214,6 +216,17 @@ class BackendCollector(Collector):
                 "How late the server's event loop runs what is due (a running mean); the "
                 "checks before admission count a few times this as time the request waits",
                 value=lag)
+        late: Lateness | None = getattr(b, "loop_late", None)
+        if late is not None:
+            cumulative, buckets = 0, []
+            for bound, n in zip((*LATE_BOUNDS_S, math.inf), late.counts, strict=True):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            yield HistogramMetricFamily(
+                "dstack_event_loop_late_seconds",
+                "How late each tick of the server's 10 ms loop timer fired: a tick more than "
+                "a few ms late is the loop held up, and every request it had then with it",
+                buckets=buckets, sum_value=late.sum_s)
 
 
 _UNSUFFIXED = (

@@ -14,11 +14,70 @@ collected, and start-up objects live until the process exits anyway.
 The server calls it when its workers are up, just before it says ready; each worker, after
 its warm-up, just before it reports ready; the benchmark's load generators before each
 measured window, so that their own pauses are not counted as the server's.
+
+`Lateness` counts what pauses are left, as an event loop's periodic timer sees them: the
+server's (`Runtime.loop_late`, /metrics `dstack_event_loop_late_seconds`) and the
+benchmark's load generators' (`bench.chaos_load.open_loop`), so that a slow answer can be
+told apart as the server's loop held up, or the client's.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
+
+#: The bounds, in seconds, a timer's lateness is counted under (`Lateness`).
+LATE_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+class Lateness:
+    """How late a periodic timer fired, tick by tick: `counts[i]` ticks at most
+    `LATE_BOUNDS_S[i]` late (and more than the bound before), the last count over the last
+    bound; `sum_s` their lateness together."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATE_BOUNDS_S) + 1)
+        self.sum_s = 0.0
+
+    def add(self, late_s: float) -> None:
+        self.counts[bisect.bisect_left(LATE_BOUNDS_S, late_s)] += 1
+        self.sum_s += late_s
+
+    def merge(self, other: Lateness) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum_s += other.sum_s
+
+    @property
+    def ticks(self) -> int:
+        return sum(self.counts)
+
+    def over(self, bound_s: float) -> int:
+        """Ticks more than `bound_s` (one of LATE_BOUNDS_S) late."""
+        return sum(self.counts[LATE_BOUNDS_S.index(bound_s) + 1:])
+
+    def worst_s(self) -> float:
+        """The bound the latest tick came under (inf: over the last), 0 without ticks."""
+        for i in range(len(self.counts) - 1, -1, -1):
+            if self.counts[i]:
+                return LATE_BOUNDS_S[i] if i < len(LATE_BOUNDS_S) else float("inf")
+        return 0.0
+
+    def since(self, before: Lateness) -> Lateness:
+        """The ticks counted after `before` (an earlier copy of these counts)."""
+        out = Lateness()
+        out.counts = [a - b for a, b in zip(self.counts, before.counts, strict=True)]
+        out.sum_s = self.sum_s - before.sum_s
+        return out
+
+    def summary(self) -> str:
+        """'late > 5 / 10 / 20 ms: a / b / c of N ticks, worst <= W ms'."""
+        if not self.ticks:
+            return "no ticks"
+        worst = self.worst_s()
+        return (f"late > 5 / 10 / 20 ms: {self.over(0.005)} / {self.over(0.01)} / "
+                f"{self.over(0.02)} of {self.ticks} ticks, worst "
+                + (f"<= {1000 * worst:g} ms" if worst != float("inf") else
+                   f"> {1000 * LATE_BOUNDS_S[-1]:g} ms"))
 
 
 def freeze_startup_objects() -> int:
@@ -29,4 +88,4 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-__all__ = ["freeze_startup_objects"]
+__all__ = ["LATE_BOUNDS_S", "Lateness", "freeze_startup_objects"]

@@ -36,6 +36,7 @@ from dstack.common.errors import (
     Overloaded,
     Unavailable,
 )
+from dstack.common.pauses import Lateness
 from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend, SliceSpec
 from dstack.common.types import ModelSpec, Plan, Schedule
 from dstack.policies.contract import Policy
@@ -201,6 +202,7 @@ class Runtime:
         # (`_watch_lag`). A loop that falls behind (its process short of CPU, or more work
         # than it can do) delays every request it has not answered yet by a multiple of it.
         self.loop_lag_s = 0.0
+        self.loop_late = Lateness()  # each tick of that timer, by how late it fired
         self._lag_watch: asyncio.Task[None] | None = None
         # Per model: how long from a request's first byte until its body had been read
         # (`observe_body`): the last BODY_READS of them, their median (which a check before
@@ -266,6 +268,7 @@ class Runtime:
             due = time.monotonic() + LAG_TICK_S
             await asyncio.sleep(LAG_TICK_S)
             late = max(0.0, time.monotonic() - due)
+            self.loop_late.add(late)
             # Late twice in a row: a loop that stays behind is late at every turn, while one
             # that blocked once (the app's start-up, a collection) is on time again at the
             # next, and that block says nothing of the requests after it.

@@ -91,6 +91,32 @@ def test_requests_are_refused_at_the_header_while_the_loop_runs_late() -> None:
     asyncio.run(main())
 
 
+def test_metrics_count_each_tick_the_loop_was_held_up() -> None:
+    """/metrics `dstack_event_loop_late_seconds`: how late each tick of the loop's 10 ms
+    timer fired, a Prometheus histogram. An idle loop has no tick over 250 ms late; a loop
+    held three times for 300 ms has three ticks between 250 ms and 1 s late, and their
+    time in the sum."""
+    def late(text: str) -> tuple[dict[str, float], float]:
+        got = samples(text)
+        return ({dict(k)["le"]: v for k, v in got["dstack_event_loop_late_seconds_bucket"].items()},
+                got["dstack_event_loop_late_seconds_sum"][()])
+
+    async def main() -> None:
+        async with _served_tiny() as (_, http):
+            await asyncio.sleep(0.3)
+            idle, idle_sum = late((await http.get("/metrics")).text)
+            assert idle["+Inf"] >= 10  # ticks, cumulative buckets
+            assert idle["0.25"] == idle["+Inf"]
+            for _ in range(3):
+                time.sleep(0.3)  # the timer falls due within the first 10 ms of it
+                await asyncio.sleep(0.05)
+            held, held_sum = late((await http.get("/metrics")).text)
+            assert held["1.0"] - held["0.25"] >= 3
+            assert held_sum - idle_sum > 0.85
+
+    asyncio.run(main())
+
+
 def test_a_check_before_the_body_counts_the_time_bodies_take_to_arrive() -> None:
     """Bodies that take most of the SLO to read: a request is refused at its header (no
     body read) rather than let through and refused, or answered late, once its body is
