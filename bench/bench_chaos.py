@@ -60,7 +60,16 @@ import yaml
 from bench import chaos_load as cl
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
-from bench.servers import ROOT, Server, get_json, loop_late, serving
+from bench.servers import (
+    ROOT,
+    Server,
+    get_json,
+    loop_late,
+    refusal_summary,
+    refusal_times,
+    refusals_since,
+    serving,
+)
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import Lateness, freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
@@ -214,6 +223,9 @@ class _Levels:
         default_factory=lambda: {x: Lateness() for x in _KEYS})
     client_late: dict[int | str, Lateness] = field(
         default_factory=lambda: {x: Lateness() for x in _KEYS})
+    # the server's refusals by where they were decided, timed from the first byte
+    refusals: dict[int | str, dict[str, Lateness]] = field(
+        default_factory=lambda: {x: {} for x in _KEYS})
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
@@ -277,7 +289,8 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()},
                          "admission_ms": _median_terms(lv.terms[x]),
                          "server_loop": lv.server_late[x].summary(),
-                         "load_generator_loop": lv.client_late[x].summary()}
+                         "load_generator_loop": lv.client_late[x].summary(),
+                         "server_refusals": refusal_summary(lv.refusals[x])}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
                     one = lv.per_model[1].get(m, 0)
@@ -325,7 +338,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     before = {k: cl.cpu_s(p) for k, p in every.items()}
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
-    late0 = loop_late(lv.srv.host)
+    late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
     t0 = time.monotonic()
     load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                 seed=100 * rep + _times(x), procs=LOAD_PROCS)
@@ -336,6 +349,9 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     server_late = loop_late(lv.srv.host).since(late0)
     lv.server_late[x].merge(server_late)
     lv.client_late[x].merge(client_late)
+    refused = refusals_since(refusal_times(lv.srv.host), refused0)
+    for stage, times in refused.items():
+        lv.refusals[x].setdefault(stage, Lateness()).merge(times)
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
     cores["load generator"] = (sum(os.times()[:2]) - load0 + shards_cpu) / wall
@@ -357,7 +373,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
           f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
           f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
-          f"generator's {client_late.summary()}", flush=True)
+          f"generator's {client_late.summary()}; server's refusals "
+          f"{refusal_summary(refused)}", flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
@@ -762,7 +779,8 @@ def notes(rows: list[Row]) -> str:
                        f"refusal p50 / p99 {r['refusal_p50_ms']:.1f} / {r['refusal_p99_ms']:.1f}"
                        " ms (p99 < 5); by reason (p50, p99): "
                        + ", ".join(f"{k} {v[0]:g} / {v[1]:g}"
-                                   for k, v in r["refusal_p50_p99_ms_by_reason"].items()))
+                                   for k, v in r["refusal_p50_p99_ms_by_reason"].items())
+                       + f"; the server's refusals {r['server_refusals']}")
         else:
             skip = {"scenario", "sent", "in_slo", "late", "refused", "other_4xx", "5xx", "hung",
                     "conn", "peak_rss_mb", "final_rss_mb", "refusal_p50_ms", "samples_5xx",

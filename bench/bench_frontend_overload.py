@@ -24,7 +24,14 @@ from pathlib import Path
 import yaml
 
 from bench import chaos_load as cl
-from bench.servers import ROOT, loop_late, serving
+from bench.servers import (
+    ROOT,
+    loop_late,
+    refusal_summary,
+    refusal_times,
+    refusals_since,
+    serving,
+)
 from dstack.common.slices import available_cores, pin_threads
 
 CONFIG = ROOT / "configs/bench-frontend.yaml"
@@ -60,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                                      2.0))  # warm
             for rep in range(args.reps):
                 for x in args.levels:
-                    cpu0, t0, late0 = cl.cpu_s(srv.pid), time.monotonic(), loop_late(srv.host)
+                    cpu0, t0 = cl.cpu_s(srv.pid), time.monotonic()
+                    late0, refused0 = loop_late(srv.host), refusal_times(srv.host)
                     load = cl.open_loop_sharded(
                         srv.host, {m: args.rate * x * f for m, f in share.items()}, slos,
                         args.seconds, seed=100 * rep + int(x), procs=args.load_procs)
@@ -68,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                         cl.with_admission_terms(srv.host, load, 0.75 * args.seconds))
                     used[x] += (cl.cpu_s(srv.pid) - cpu0) / (time.monotonic() - t0) / args.reps
                     server_late = loop_late(srv.host).since(late0)
+                    refused = refusals_since(refusal_times(srv.host), refused0)
                     for m, tm in res.items():
                         per_model[x][m] += tm.ok / args.seconds / args.reps
                     t = cl.total(res)
@@ -77,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"refused {dict(t.refused)}, hung {t.hung}; admission besides "
                           f"compute (ms): {cl.format_terms(terms)}; server's loop "
                           f"{server_late.summary()}; load generator's "
-                          f"{client_late.summary()}", flush=True)
+                          f"{client_late.summary()}; server's refusals "
+                          f"{refusal_summary(refused)}", flush=True)
     finally:
         pin_threads(cores)
     one = good[args.levels[0]]

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from dstack.common.pauses import LATE_BOUNDS_S, Lateness
+from dstack.common.pauses import Lateness
+from server.metrics import REFUSAL_STAGES, histogram_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 DSTACK = Path(sys.executable).with_name("dstack")
@@ -135,26 +136,41 @@ def admission_terms(host: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _metrics(host: str) -> str:
+    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def loop_late(host: str) -> Lateness:
     """The server's `dstack_event_loop_late_seconds` histogram (/metrics) as counts: how
     late each tick of its event loop's 10 ms timer fired since it started."""
-    from prometheus_client.parser import text_string_to_metric_families
+    return histogram_counts(_metrics(host), "dstack_event_loop_late_seconds")
 
-    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out, below = Lateness(), 0
-    for fam in text_string_to_metric_families(text):
-        if fam.name != "dstack_event_loop_late_seconds":
-            continue
-        for sample in fam.samples:
-            if sample.name.endswith("_bucket"):
-                le = float(sample.labels["le"])
-                i = LATE_BOUNDS_S.index(le) if le in LATE_BOUNDS_S else len(LATE_BOUNDS_S)
-                out.counts[i] = int(sample.value) - below  # buckets come in order
-                below = int(sample.value)
-            elif sample.name.endswith("_sum"):
-                out.sum_s = sample.value
-    return out
+
+def refusal_times(host: str) -> dict[str, Lateness]:
+    """The server's `dstack_refusal_seconds` (/metrics), every model's together, by stage:
+    how long each refusal took from the request's first byte, decided from its header
+    ("header") or once its body had been read ("body")."""
+    text = _metrics(host)
+    return {stage: histogram_counts(text, "dstack_refusal_seconds", stage=stage)
+            for stage in REFUSAL_STAGES}
+
+
+def refusals_since(after: dict[str, Lateness], before: dict[str, Lateness]
+                   ) -> dict[str, Lateness]:
+    """The refusals `refusal_times` counted between two readings of it."""
+    return {stage: after[stage].since(before[stage]) for stage in after}
+
+
+def refusal_summary(times: dict[str, Lateness]) -> str:
+    """'at the header N (p99 <= X ms), after the body M (K% of refusals, p99 <= Y ms)':
+    each stage's refusals, as the server timed them from the first byte."""
+    total = sum(t.count for t in times.values())
+    if not total:
+        return "no refusals"
+    return ", ".join(f"{'at the header' if stage == 'header' else 'after the body'} "
+                     f"{t.count} ({100 * t.count / total:.1f}%, p99 <= "
+                     f"{1000 * t.quantile_s(0.99):g} ms)" for stage, t in times.items())
 
 
 def model_stats(host: str, model: str) -> dict[str, int]:

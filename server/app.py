@@ -128,6 +128,10 @@ async def read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> byte
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+#: The scope key `infer` sets once a request's body has been read: a refusal after that is
+#: timed under the stage "body" (`server.metrics.Metrics.failed`).
+BODY_READ = "dstack.body_read"
+
 #: The binary extension's header, as ASGI has it.
 HEADER_LENGTH = codec.HEADER_LENGTH.lower().encode()
 
@@ -370,7 +374,8 @@ def create_app(
             try:
                 payload, hlen = await _infer(scope, receive, model, spec)
             except DStackError as e:
-                metrics.failures.add(model, e.reason)
+                metrics.failed(model, e, "body" if scope.get(BODY_READ) else "header",
+                               scope.get(RECEIVED_AT))
                 raise
             except Exception:
                 metrics.failures.add(model, "backend")
@@ -395,6 +400,7 @@ def create_app(
         received = scope.get(RECEIVED_AT) or time.monotonic()
         check_admission(model)  # before the body is read
         body = await read_body(scope, receive, max_body_bytes)
+        scope[BODY_READ] = True
         if observe_body is not None:
             observe_body(model, time.monotonic() - received)
         hlen = header(scope, HEADER_LENGTH)

@@ -66,6 +66,11 @@ CHECK_EVERY_BYTES = 1 << 20
 HELD = "dstack.held"
 
 
+#: `failed(model, error, stage, received_at)`: an infer request answered with a
+#: DStackError, counted (and a refusal timed) as `server.metrics.Metrics.failed` does.
+Failed = Callable[[str, DStackError, str, float | None], None]
+
+
 class _TooLate(Exception):
     """Raised out of a body's reading: `error` is the refusal it is answered with."""
 
@@ -76,17 +81,17 @@ class _TooLate(Exception):
 
 class EarlyRefusal:
     """ASGI middleware: `refuse_early(model)` before the body of `POST .../infer` is read,
-    `refuse_early(model, since_s)` while it arrives; `count(model, reason)` counts each
-    refusal answered here (the failure counter the infer route feeds, so that stats and
-    metrics count them as any refusal)."""
+    `refuse_early(model, since_s)` while it arrives; `failed(model, error, stage,
+    received_at)` counts and times each refusal answered here (`server.metrics.Metrics.
+    failed`, which the infer route feeds, so that stats and metrics count them as any)."""
 
     def __init__(self, app: ASGIApp, *, refuse_early: Callable[..., None],
-                 count: Callable[[str, str], None], version: str,
+                 failed: Failed, version: str,
                  drain_bytes: int = 0, release: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.refuse_early = refuse_early
         self.release = release
-        self.count = count
+        self.failed = failed
         self.version = version
         self.drain_bytes = drain_bytes
 
@@ -101,13 +106,13 @@ class EarlyRefusal:
                 except ModelNotFound:
                     pass  # the route answers it (404), as without this middleware
                 except DStackError as e:
-                    await self._refuse(scope, receive, send, model, e)
+                    await self._refuse(scope, receive, send, model, e, "header")
                     return
                 else:
                     try:
                         await self.app(scope, self._watched(scope, receive, model), send)
                     except _TooLate as late:
-                        await self._refuse(scope, receive, send, model, late.error)
+                        await self._refuse(scope, receive, send, model, late.error, "body")
                     finally:
                         held = scope.pop(HELD, None)
                         if held is not None and self.release is not None:
@@ -116,8 +121,8 @@ class EarlyRefusal:
         await self.app(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, model: str,
-                      e: DStackError) -> None:
-        _counted(self.count, model, e)
+                      e: DStackError, stage: str) -> None:
+        _counted(self.failed, model, e, stage, scope.get(RECEIVED_AT))
         await refuse(scope, receive, send, e.status_code, e.message, headers=retry_after(e),
                      drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
 
@@ -156,11 +161,11 @@ class HeaderRefusal:
     where `allowed` wants one, or nothing to refuse)."""
 
     def __init__(self, *, refuse_early: Callable[..., None],
-                 count: Callable[[str, str], None], version: str, max_body_bytes: int,
+                 failed: Failed, version: str, max_body_bytes: int,
                  allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None = None,
                  hold: bool = False) -> None:
         self.refuse_early = refuse_early
-        self.count = count
+        self.failed = failed
         self.version = version
         self.max_body_bytes = max_body_bytes
         self.allowed = allowed
@@ -182,7 +187,8 @@ class HeaderRefusal:
         except ModelNotFound:
             return None  # the route answers it (404)
         except DStackError as e:
-            _counted(self.count, model, e)
+            _counted(self.failed, model, e, "header",
+                     None if scope is None else scope.get(RECEIVED_AT))
             return e.status_code, [(b"content-type", b"application/json"),
                                    *retry_after(e)], error_json(e.message, e.rule)
         if hold:
@@ -190,7 +196,8 @@ class HeaderRefusal:
         return None
 
 
-def _counted(count: Callable[[str, str], None], model: str, e: DStackError) -> None:
-    count(model, e.reason)
+def _counted(failed: Failed, model: str, e: DStackError, stage: str,
+             received_at: float | None) -> None:
+    failed(model, e, stage, received_at)
     if e.status_code >= 500 and not e.logged:  # as the app's handler does
         log.warning("%s: %s", type(e).__name__, e.message)

@@ -71,13 +71,13 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
     if refuse_early is not None:  # outside the body limits: refused before the body is read
         release = getattr(runtime, "release", None)
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
-                           count=app.state.metrics.failures.add, version=MODEL_VERSION,
+                           failed=app.state.metrics.failed, version=MODEL_VERSION,
                            drain_bytes=s.max_body_bytes, release=release)
         token = None if auth_token is None else auth_token.encode()
         open_paths = tuple(s.auth_open_paths)
         # asked by the connection itself (server_config), before any task or app runs
         app.state.header_refusal = HeaderRefusal(
-            refuse_early=refuse_early, count=app.state.metrics.failures.add,
+            refuse_early=refuse_early, failed=app.state.metrics.failed,
             version=MODEL_VERSION, max_body_bytes=s.max_body_bytes,
             allowed=None if token is None else lambda path, headers: (
                 is_open(path, open_paths) or has_token(headers, token)),

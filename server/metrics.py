@@ -16,18 +16,50 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from dstack.common.backend import InferenceBackend
+from dstack.common.errors import DStackError
 from dstack.common.pauses import LATE_BOUNDS_S, Lateness
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FAILURE_REASONS = ("rejected", "slo_refused", "backend", "unavailable")
+
+#: Where a refusal was decided (`dstack_refusal_seconds`'s `stage`): from the request's
+#: header, its body left unread, or once some or all of its body had been read (queued
+#: and then refused included).
+REFUSAL_STAGES = ("header", "body")
+
+
+def histogram_counts(text: str, name: str, **labels: str) -> Lateness:
+    """The histogram `name` (on LATE_BOUNDS_S) of a /metrics exposition `text` as counts,
+    its series whose labels include `labels` summed (for the benchmarks and tests)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = Lateness()
+    below: dict[tuple[tuple[str, str], ...], int] = {}  # each series' last cumulative count
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for x in fam.samples:  # each series' buckets come in order
+            series = {k: v for k, v in x.labels.items() if k != "le"}
+            if not labels.items() <= series.items():
+                continue
+            if x.name.endswith("_bucket"):
+                key = tuple(sorted(series.items()))
+                le = float(x.labels["le"])
+                i = LATE_BOUNDS_S.index(le) if le in LATE_BOUNDS_S else len(LATE_BOUNDS_S)
+                out.counts[i] += int(x.value) - below.get(key, 0)
+                below[key] = int(x.value)
+            elif x.name.endswith("_sum"):
+                out.sum_s += x.value
+    return out
 
 
 class FailureCounts:
@@ -244,12 +276,29 @@ _UNSUFFIXED = (
 
 
 class Metrics:
-    """The per-app registry plus the failure counts the infer route feeds."""
+    """The per-app registry plus what the HTTP layer feeds: the failure counts and the
+    refusals' times (`failed`)."""
 
     def __init__(self, backend: InferenceBackend, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.failures = FailureCounts()
         self.registry.register(BackendCollector(backend, self.failures, version))
+        self.refusal_seconds = Histogram(
+            "dstack_refusal_seconds",
+            "Time from a refused infer request's first byte to its refusal, by where it was "
+            "decided: from its header (stage=header: its body never read) or once its body "
+            "had been read (stage=body)",
+            ["model", "stage"], buckets=LATE_BOUNDS_S, registry=self.registry)
+
+    def failed(self, model: str, e: DStackError, stage: str,
+               received_at: float | None = None) -> None:
+        """An infer request for `model` answered with `e`: counted by its reason; a
+        refusal (`DStackError.refusal`) also timed from `received_at` (its first byte,
+        time.monotonic()), under `stage` (REFUSAL_STAGES)."""
+        self.failures.add(model, e.reason)
+        if e.refusal and received_at is not None:
+            self.refusal_seconds.labels(model, stage).observe(
+                max(0.0, time.monotonic() - received_at))
 
     def render(self) -> bytes:
         text = generate_latest(self.registry).decode()

@@ -17,6 +17,13 @@ class DStackError(Exception):
         super().__init__(message)
         self.message = message
 
+    @property
+    def refusal(self) -> bool:
+        """A refusal: the request was fine but is not taken now (429, or 503 with a time
+        to retry after), as a client's retry logic and the benchmarks count one."""
+        return self.status_code == 429 or (self.status_code == 503
+                                           and self.retry_after_s is not None)
+
 
 class RequestError(DStackError):
     """The request is malformed or does not fit the model (400)."""

@@ -48,7 +48,7 @@ class Lateness:
         self.sum_s += other.sum_s
 
     @property
-    def ticks(self) -> int:
+    def count(self) -> int:
         return sum(self.counts)
 
     def over(self, bound_s: float) -> int:
@@ -62,6 +62,16 @@ class Lateness:
                 return LATE_BOUNDS_S[i] if i < len(LATE_BOUNDS_S) else float("inf")
         return 0.0
 
+    def quantile_s(self, q: float) -> float:
+        """The bound that a share `q` of the counts come under (inf: over the last), 0
+        without counts: e.g. `quantile_s(0.99)` bounds the p99 from above."""
+        need, seen = q * self.count, 0
+        for i, n in enumerate(self.counts):
+            seen += n
+            if n and seen >= need:
+                return LATE_BOUNDS_S[i] if i < len(LATE_BOUNDS_S) else float("inf")
+        return 0.0
+
     def since(self, before: Lateness) -> Lateness:
         """The ticks counted after `before` (an earlier copy of these counts)."""
         out = Lateness()
@@ -71,11 +81,11 @@ class Lateness:
 
     def summary(self) -> str:
         """'late > 5 / 10 / 20 ms: a / b / c of N ticks, worst <= W ms'."""
-        if not self.ticks:
+        if not self.count:
             return "no ticks"
         worst = self.worst_s()
         return (f"late > 5 / 10 / 20 ms: {self.over(0.005)} / {self.over(0.01)} / "
-                f"{self.over(0.02)} of {self.ticks} ticks, worst "
+                f"{self.over(0.02)} of {self.count} ticks, worst "
                 + (f"<= {1000 * worst:g} ms" if worst != float("inf") else
                    f"> {1000 * LATE_BOUNDS_S[-1]:g} ms"))
 

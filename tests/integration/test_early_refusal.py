@@ -20,8 +20,10 @@ import pytest
 
 from dstack.common.config import parse_config
 from dstack.common.errors import DStackError, Unavailable
+from dstack.common.pauses import Lateness
 from dstack.runtime.dispatch import RefusalReason
 from dstack.runtime.serving import refusal_error
+from server.metrics import histogram_counts
 from tests.integration.fakes import FakeBackend
 
 BODY = 600_000  # a 3x224x224 FP32 image, about
@@ -38,10 +40,13 @@ class RefusingBackend(FakeBackend):
         self.since: list[float] = []  # each request's since_received_s
         self.late: DStackError | None = None  # raised when asked again while a body arrives
         self.asked_since: list[float] = []
+        self.queued_refusal: DStackError | None = None  # raised by infer (the body read)
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray],
                     since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         self.since.append(since_received_s)
+        if self.queued_refusal is not None:
+            raise self.queued_refusal
         return await super().infer(model, inputs)
 
     def refuse_early(self, model: str, since_s: float = 0.0) -> None:
@@ -270,6 +275,48 @@ def test_a_requests_deadline_counts_from_its_first_byte(
         status, _, body = _response(s)
     assert status == 200, body
     assert backend.since[-1] >= 0.3
+
+
+def _refusal_times(addr: tuple[str, int]) -> dict[str, Lateness]:
+    with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {stage: histogram_counts(text, "dstack_refusal_seconds", model="double",
+                                    stage=stage) for stage in ("header", "body")}
+
+
+def test_metrics_time_each_refusal_from_its_first_byte_by_where_it_was_decided(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """`dstack_refusal_seconds`: a refusal from a header that took 300 ms to arrive is
+    timed from its first byte, under stage=header; one decided once its body had been read
+    (here by the backend, as a request that expired queued) under stage=body; a 200 and a
+    400 are not timed."""
+    addr, backend = served
+    before = _refusal_times(addr)
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: too late")
+    head = _head(BODY)
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(head[:10])
+            time.sleep(0.3)
+            s.sendall(head[10:])
+            assert _response(s)[0] == 429
+    finally:
+        backend.refusal = None
+    backend.queued_refusal = refusal_error(RefusalReason.EXPIRED, "model double: expired")
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(_head(len(VALID)) + VALID)
+            assert _response(s)[0] == 429
+    finally:
+        backend.queued_refusal = None
+    with socket.create_connection(addr, timeout=5) as s:
+        s.sendall(_head(len(VALID)) + VALID + _head(2) + b"{}")
+        assert [r[0] for r in _responses(s, 2)] == [200, 400]
+    after = _refusal_times(addr)
+    header, body = (after[k].since(before[k]) for k in ("header", "body"))
+    assert header.count == 1 and header.quantile_s(1.0) == 1.0  # 0.25 s < t <= 1 s
+    assert header.sum_s >= 0.3
+    assert body.count == 1 and body.sum_s < 0.3
 
 
 def test_a_body_refused_from_its_header_may_come_in_pieces_and_the_next_request_follows_it(
