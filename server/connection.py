@@ -71,23 +71,25 @@ class ConnectionLimits:
 
 def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
     """Raise this process's soft limit on open files (often 1024) to hold `max_connections`
-    client sockets and `headroom` more (the listening socket, worker pipes, logs, model
-    files), up to the hard limit; warn when the hard limit is lower. Without it, accept()
-    fails with EMFILE below the cap and asyncio stops accepting for a second at a time.
-    Returns the soft limit now (-1 where there are no such limits)."""
+    client sockets, each with the duplicate its refused bodies are dropped through
+    (`LimitedHttpToolsProtocol._duplicate`), and `headroom` more (the listening socket,
+    worker pipes, logs, model files), up to the hard limit; warn when the hard limit is
+    lower. Without it, accept() fails with EMFILE below the cap and asyncio stops
+    accepting for a second at a time. Returns the soft limit now (-1 where there are no
+    such limits)."""
     try:
         import resource
     except ImportError:  # not POSIX
         return -1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max_connections + headroom
+    want = 2 * max_connections + headroom
     if soft != resource.RLIM_INFINITY and soft < want:
         soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     if soft != resource.RLIM_INFINITY and soft < want:
-        log.warning("open files limited to %d (hard limit): fewer than server.max_connections "
-                    "(%d) + %d; connections beyond it fail to be accepted (raise `ulimit -Hn`)",
-                    soft, max_connections, headroom)
+        log.warning("open files limited to %d (hard limit): fewer than 2 x "
+                    "server.max_connections (%d) + %d; connections beyond it fail to be "
+                    "accepted (raise `ulimit -Hn`)", soft, max_connections, headroom)
     return int(soft)
 
 
@@ -249,6 +251,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._close_after = False  # ... and its client asked to close after the answer
         self._sink: socket.socket | None = None  # while the rest of a body is dropped
         self._sink_watched = False  # the loop calls _drop_some when the sink has bytes
+        self._dup: socket.socket | None = None  # the sink, kept for the connection's life
         self._whole: _Whole | None = None  # the body being read straight into its bytes
 
     # -- connection
@@ -265,6 +268,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._whole = None
         self._stop_sink()
+        dup, self._dup = self._dup, None
+        if dup is not None:
+            dup.close()
         self._waiting.pop(self, None)
         super().connection_lost(exc)
 
@@ -499,11 +505,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         bytes) from a duplicate of its socket with MSG_TRUNC: the kernel discards it. What
         has already come is dropped at once; the loop watches for the rest. False (nothing
         changed) when no file descriptor is left for the duplicate."""
-        try:
-            sink = self._duplicate()
-        except OSError:
-            return False
-        sink.setblocking(False)
+        sink = self._dup
+        if sink is None:
+            try:
+                sink = self._dup = self._duplicate()
+            except OSError:
+                return False
         self._sink = sink
         self._whole = None  # its rest is dropped, not read
         self.flow.pause_reading()
@@ -512,8 +519,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _duplicate(self) -> socket.socket:
         """A duplicate of the connection's socket, to read from beside the event loop (which
-        takes no reader of its own on a transport's socket)."""
-        return socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+        takes no reader of its own on a transport's socket), not blocking. The one a drop
+        makes is kept until the connection is lost (a dup, a socket object and a close less
+        per refused body), and closed then, so that the connection's close is not held."""
+        sink = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+        sink.setblocking(False)
+        return sink
 
     def _drop_unread(self) -> None:
         """Drop, in the kernel, what the client has sent that is still unread (up to 16 MB),
@@ -577,9 +588,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _stop_sink(self) -> None:
         self._watch_sink(False)
-        sink, self._sink = self._sink, None
-        if sink is not None:
-            sink.close()
+        self._sink = None
 
     # -- the connection cap
 

@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -289,6 +290,7 @@ class Metrics:
             "decided: from its header (stage=header: its body never read) or once its body "
             "had been read (stage=body)",
             ["model", "stage"], buckets=LATE_BOUNDS_S, registry=self.registry)
+        self._refusals_timed: dict[tuple[str, str], Any] = {}
 
     def failed(self, model: str, e: DStackError, stage: str,
                received_at: float | None = None) -> None:
@@ -297,8 +299,11 @@ class Metrics:
         time.monotonic()), under `stage` (REFUSAL_STAGES)."""
         self.failures.add(model, e.reason)
         if e.refusal and received_at is not None:
-            self.refusal_seconds.labels(model, stage).observe(
-                max(0.0, time.monotonic() - received_at))
+            timed = self._refusals_timed.get((model, stage))
+            if timed is None:  # one labels() lookup per series, not per refusal
+                timed = self._refusals_timed[model, stage] = self.refusal_seconds.labels(
+                    model, stage)
+            timed.observe(max(0.0, time.monotonic() - received_at))
 
     def render(self) -> bytes:
         text = generate_latest(self.registry).decode()
