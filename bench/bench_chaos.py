@@ -374,7 +374,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
           f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
           f"generator's {client_late.summary()}; server's refusals "
-          f"{refusal_summary(refused)}", flush=True)
+          f"{refusal_summary(refused)}; answered late: {cl.format_late(res, lv.slos)}",
+          flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:

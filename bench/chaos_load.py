@@ -329,6 +329,17 @@ def format_terms(terms: dict[str, dict[str, float]]) -> str:
                      for m, mt in terms.items())
 
 
+def format_late(tallies: dict[str, Tally], slos_ms: dict[str, float]) -> str:
+    """Each model's answers over its SLO, and by how much at the median: 'm 12 (p50 23.1 ms,
+    SLO 20)', so that a miss of the within-SLO share says whose answers were late."""
+    out = []
+    for m, t in tallies.items():
+        over = [ms for ms in t.latencies_ms if ms > slos_ms[m]]
+        out.append(f"{m} {len(over)}" + (f" (p50 {pct(over, 50):.1f} ms, SLO {slos_ms[m]:g})"
+                                         if over else ""))
+    return ", ".join(out)
+
+
 def total(tallies: dict[str, Tally]) -> Tally:
     t = Tally()
     for x in tallies.values():
