@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
 import ssl
 import threading
@@ -224,6 +225,30 @@ def test_a_client_that_sends_its_body_first_reads_the_refusal_and_it_is_counted(
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
         metrics = r.read().decode()
     assert 'reason="unavailable"' in metrics
+
+
+def test_connections_whose_refused_bodies_were_dropped_leave_no_descriptor_open(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """A connection drops refused bodies through a duplicate of its socket, kept while it
+    lives: 20 connections with two refused bodies each, closed by their clients, leave the
+    server's open files as they were."""
+    addr, backend = served
+    open_files = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731 (client and server)
+    before = open_files()
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: too late")
+    try:
+        for _ in range(20):
+            with socket.create_connection(addr, timeout=5) as s:
+                for _ in range(2):
+                    s.sendall(_head(BODY))
+                    assert _response(s)[0] == 429
+                    s.sendall(b"0" * BODY)  # dropped
+    finally:
+        backend.refusal = None
+    deadline = time.monotonic() + 5
+    while open_files() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_files() <= before
 
 
 def test_a_client_that_asked_to_close_can_still_send_its_body_after_the_answer(
