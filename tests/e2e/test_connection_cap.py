@@ -31,7 +31,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     try:
         yield wait_ready(s)
     finally:
-        s.kill()
+        s.stop()  # gracefully: a kill would leave its workers' shared memory behind
 
 
 def _settle(srv: ServerProcess) -> None:

@@ -39,7 +39,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     try:
         yield wait_ready(s)
     finally:
-        s.kill()
+        s.stop()  # gracefully: a kill would leave its workers' shared memory behind
 
 
 def _connect(srv: ServerProcess, timeout_s: float = 10) -> socket.socket:
