@@ -163,8 +163,8 @@ def refusals_since(after: dict[str, Lateness], before: dict[str, Lateness]
 
 
 def refusal_summary(times: dict[str, Lateness]) -> str:
-    """'at the header N (p99 <= X ms), after the body M (K% of refusals, p99 <= Y ms)':
-    each stage's refusals, as the server timed them from the first byte."""
+    """'at the header N (J%, p99 <= X ms), after the body M (K%, p99 <= Y ms)': each
+    stage's refusals and share of them, as the server timed them from the first byte."""
     total = sum(t.count for t in times.values())
     if not total:
         return "no refusals"
