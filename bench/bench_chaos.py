@@ -63,6 +63,7 @@ from bench.loads import one_item_body
 from bench.servers import (
     ROOT,
     Server,
+    front_ends,
     get_json,
     loop_late,
     refusal_summary,
@@ -241,24 +242,28 @@ def overload(args: argparse.Namespace) -> list[Row]:
     with ExitStack() as stack:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
-        for policy in args.policies:
+        for policy, n in ((p, n) for p in args.policies for n in args.frontends):
             base, slos = mix(policy)
+            label = policy if n == 1 else f"{policy}+{n}fe"  # server.frontends: n
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
-            srv = stack.enter_context(serving(config(policy, f"overload-{policy}", front,
+            server = {**(front or {}), "frontends": n} if n > 1 else front
+            srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
                                                      top=args.top),
-                                              OUT / f"overload-{policy}.log"))
+                                              OUT / f"overload-{label}.log"))
             if load:
                 pin_threads(load)
             run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
             cap = args.capacity_scale or calibrate(srv, base, slos, args.calibrate_scales,
                                                    args.calibrate_seconds)
-            args.capacity[policy] = cap
-            print(f"  {policy}: capacity = {cap:g}x the mix ("
+            args.capacity[label] = cap
+            print(f"  {label}: capacity = {cap:g}x the mix ("
                   + ", ".join(f"{m} {r * cap:g} rps" for m, r in base.items()) + ")",
                   flush=True)
-            runs[policy] = _Levels(srv, base, slos, cap,
-                                   {"server": srv.pid, **{m: worker_pid(srv, m) for m in base}})
+            runs[label] = _Levels(srv, base, slos, cap,
+                                  {"server": srv.pid, **{m: worker_pid(srv, m) for m in base},
+                                   **{f"front end {k}": pid
+                                      for k, pid in enumerate(front_ends(srv.pid))}})
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
         if front:  # the load generator (and the control's burner) join the front end
             pin_threads(tuple(args.frontend_cores))
@@ -296,7 +301,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
                     one = lv.per_model[1].get(m, 0)
                     extra[f"goodput_{m}_vs_1x"] = ok / one if one else float("nan")
                 for other, ov in runs.items():  # side by side, round by round
-                    if other != policy and policy == "dstack":
+                    if other != policy and policy.startswith("dstack"):
                         by_round = [g / o if o else float("nan")
                                     for g, o in zip(lv.good[x], ov.good[x], strict=True)]
                         extra[f"goodput_vs_{other}"] = statistics.median(by_round)
@@ -805,6 +810,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--policies", nargs="*", choices=list(MIX), default=list(MIX))
+    p.add_argument("--frontends", type=int, nargs="+", default=[1],
+                   help="overload: each policy's server once per value of server.frontends "
+                        "(labelled POLICY+Nfe for N > 1), side by side")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")

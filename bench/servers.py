@@ -91,6 +91,12 @@ def interrupt(proc: subprocess.Popen[Any], grace_s: float) -> None:
             proc.wait(5)
 
 
+def front_ends(pid: int) -> list[int]:
+    """PIDs of the front-end processes of the server `pid` (`server.frontends` > 1)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids if b"server.frontends" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
 def peak_rss_mb(srv: Server) -> dict[str, float]:
     """Peak RSS (MB) of the server and each worker since they started: the kernel's
     high-water mark, read once while they still run. (Sampling the process tree on a

@@ -451,6 +451,7 @@ def create_app(
         return s.to_dict()
 
     app.add_middleware(_InferFirst, endpoint=infer)
+    app.state.infer_endpoint = infer  # what front ends in other processes call (server.frontends)
     return app
 
 

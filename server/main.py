@@ -8,12 +8,15 @@ stop and the process exits 0. `docs/reliability.md` describes every limit.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import shutil
 import signal
 import socket
 import ssl
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +25,7 @@ from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
@@ -105,7 +109,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def server_config(app: FastAPI, cfg: ServerConfig | None = None, *,
+def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
                   log_level: str | None = None) -> uvicorn.Config:
     """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files; its connections
     answer refusals from the header with `app.state.header_refusal` (set by build_app)."""
@@ -116,7 +120,7 @@ def server_config(app: FastAPI, cfg: ServerConfig | None = None, *,
         app,
         # a BufferedProtocol, which uvicorn's annotation (asyncio.Protocol) leaves out
         http=LimitedHttpToolsProtocol.with_limits(  # type: ignore[arg-type]
-            limits, getattr(app.state, "header_refusal", None)),
+            limits, getattr(getattr(app, "state", None), "header_refusal", None)),
         log_level=log_level or cfg.log_level,
         access_log=False,  # one log line per request would cost more than decoding it
         timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
@@ -168,6 +172,61 @@ class _Serving(uvicorn.Server):
             await self.runtime.stop()
 
 
+class _Dispatching:
+    """`server.frontends: N > 1`: this process keeps the runtime and answers its front-end
+    processes (`server.frontends`), which serve the socket; `run` as `_Serving.run`."""
+
+    def __init__(self, app: FastAPI, runtime: Startable, cfg: DeployConfig, config_path: Path,
+                 frontend_cores: tuple[int, ...] | None, on_ready: Callable[[], None]) -> None:
+        self.app = app
+        self.runtime = runtime
+        self.cfg = cfg
+        self.config_path = config_path
+        self.frontend_cores = frontend_cores
+        self.on_ready = on_ready
+        self.should_exit = False
+        self.started = False
+
+    def run(self, sockets: list[socket.socket]) -> None:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(self._main(sockets[0]))
+
+    async def _main(self, sock: socket.socket) -> None:
+        from server.frontends import Dispatch, FrontEnds
+
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if self.should_exit:
+            return
+        await self.runtime.start()
+        folder = Path(tempfile.mkdtemp(prefix="dstack-link-"))
+        try:
+            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION)
+            listening = await dispatch.listen(folder / "link")
+            s = self.cfg.server
+            fronts = FrontEnds(s.frontends, self.config_path, sock.fileno(), folder,
+                               self.frontend_cores)
+            try:
+                await fronts.start(dispatch.hello, timeout_s=120)
+                if not stop.is_set():
+                    freeze_startup_objects()
+                    self.started = True
+                    self.on_ready()
+                    watch = loop.create_task(fronts.watch())
+                    await stop.wait()
+                    watch.cancel()
+            finally:
+                await fronts.stop(s.shutdown_grace_s)  # each drains its requests in flight
+                listening.close()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+            await self.runtime.stop()
+
+
 def serve(config_path: str | Path, host: str | None = None, port: int | None = None) -> int:
     """Serve until SIGINT or SIGTERM. Returns the exit code: 0 after a clean shutdown,
     2 (with one line on stderr, a bad config file included) when serving could not start."""
@@ -181,7 +240,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, remember)
 
-    server: _Serving | None = None
+    server: _Serving | _Dispatching | None = None
     try:
         cfg = load_config(config_path)
         logging.basicConfig(level=cfg.server.log_level.upper(),
@@ -202,9 +261,8 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         from dstack.runtime.serving import Runtime  # heavy (torch)
 
         runtime = Runtime(cfg)  # checks every model against the zoo
+        host_cores = available_cores()
         _pin_front_end(cfg.server)  # after Runtime: its workers start on the cores of before
-        app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
-        config = server_config(app, cfg.server)
         scheme = "https" if cfg.server.tls_certfile else "http"
         shown = f"[{host}]" if ":" in host else host
         names = ", ".join(m.name for m in cfg.models)
@@ -213,7 +271,15 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
             log.info("dstack serving %s://%s:%d (policy %s, models %s); ready at "
                      "/v2/health/ready", scheme, shown, bound_port, cfg.policy.value, names)
 
-        server = _Serving(config, runtime, ready)
+        if cfg.server.frontends > 1:  # the front ends check the token
+            app = build_app(cfg, runtime, start_runtime=False)
+            # the front ends on the cores the server's own process leaves, if it was given any
+            rest = tuple(c for c in host_cores if c not in (cfg.server.cores or ())) or None
+            server: _Serving | _Dispatching = _Dispatching(
+                app, runtime, cfg, Path(config_path), rest if cfg.server.cores else None, ready)
+        else:
+            app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
+            server = _Serving(server_config(app, cfg.server), runtime, ready)
         server.should_exit = bool(stop_signals)
         try:
             server.run(sockets=[sock])

@@ -83,12 +83,20 @@ class ServerConfig(_Strict):
     tls_keyfile: Path | None = None
     """PEM private key of `tls_certfile` (not needed when the cert file holds the key)."""
     log_level: str = "info"
+    frontends: Annotated[int, Field(ge=1, le=64)] = 1
+    """Processes that read, refuse and answer HTTP requests. 1: the server's own process does
+    it all. More: that many front-end processes share the listening socket, each under these
+    limits (`max_connections` and `body_budget_bytes` shared out among them), and pass
+    each request to the server's process, which decides and runs it (docs/frontends.md).
+    For a host whose one server process is busier than its device (a GPU host under
+    overload); on a machine with few cores they take the workers' cores."""
     cores: tuple[int, ...] | None = Field(default=None, min_length=1)
     """CPU cores the server's own process runs on: reading, refusing and answering
-    requests, and dispatch. Default: wherever the kernel puts it, which on cores the workers
-    compute on pre-empts their batches (`worker_nice`). On a host with cores to spare, give
-    it one the workers' `cores:` leave out. The workers start on the cores the server had
-    before it confined itself to these."""
+    requests (with `frontends` > 1, the front ends run on the other cores this process
+    could use), and dispatch. Default: wherever the kernel puts it, which on cores the
+    workers compute on pre-empts their batches (`worker_nice`). On a host with cores to
+    spare, give it one the workers' `cores:` leave out. The workers start on the cores the
+    server had before it confined itself to these."""
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.servers import front_ends
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"name": "tiny_cnn", "slo_ms": 10000, "max_batch_size": 8, "max_queue_delay_ms": 2}
 SERVING = re.compile(r"dstack serving https?://127\.0\.0\.1:(\d+)")
@@ -49,10 +51,15 @@ class ServerProcess:
         except OSError:
             return 0
 
+    def front_ends(self) -> list[int]:
+        """PIDs of the server's front-end processes (`server.frontends` > 1)."""
+        return front_ends(self.pid)
+
     def fds(self) -> int:
-        """Open sockets of the server process (not of its workers)."""
-        fd_dir = Path(f"/proc/{self.pid}/fd")
-        return sum(1 for f in fd_dir.iterdir() if os.readlink(f).startswith("socket:"))
+        """Open sockets of the server process and its front ends (not of its workers)."""
+        return sum(1 for pid in (self.pid, *self.front_ends())
+                   for f in Path(f"/proc/{pid}/fd").iterdir()
+                   if os.readlink(f).startswith("socket:"))
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30) -> int:
         """Send `sig`; the exit code (SIGKILL to the whole group after `timeout_s`)."""

@@ -28,14 +28,19 @@ MAX_CONNECTIONS = 40
 INFER = "/v2/models/tiny_cnn/infer"
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-front-ends"])
+def srv(request: pytest.FixtureRequest,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The server in one process, and with two front-end processes (the connection cap is
+    per front end: MAX_CONNECTIONS each, however the kernel spreads the connections)."""
     tmp = tmp_path_factory.mktemp("limits")
     (tmp / "token").write_text(TOKEN + "\n")
+    n = request.param
     s = launch({"policy": "shared", "models": [TINY], "server": {
         "max_body_bytes": MAX_BODY, "body_budget_bytes": BUDGET,
         "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S,
-        "max_connections": MAX_CONNECTIONS, "auth_token_file": "token"}}, tmp)
+        "max_connections": n * MAX_CONNECTIONS, "auth_token_file": "token",
+        "frontends": n}}, tmp)
     try:
         yield wait_ready(s)
     finally:
@@ -214,7 +219,8 @@ def test_tritonclient_with_the_token(srv: ServerProcess) -> None:
     x = np.ones((2, 3, 32, 32), np.float32)
     inp = httpclient.InferInput("input", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
-    out = client.infer("tiny_cnn", [inp], headers=AUTH).as_numpy("output")
+    # (a copy: tritonclient adds its binary header to the dict it is given)
+    out = client.infer("tiny_cnn", [inp], headers=dict(AUTH)).as_numpy("output")
     assert out.shape == (2, 10)
     assert client.is_server_ready()  # open path
     with pytest.raises(InferenceServerException, match="unauthorized"):

@@ -1,0 +1,604 @@
+"""Front ends in several processes (`server.frontends: N`, N > 1; docs/frontends.md).
+
+On a GPU host the server's one Python process runs out before the device does: its loop
+parses HTTP, refuses the requests it cannot take and answers the ones it took. With N front
+ends, N processes accept the connections of the one listening socket (the kernel spreads
+them), each with the server's connection limits, body limits, auth and TLS, and parse the
+HTTP; the dispatch process (the one `dstack serve` started) keeps the runtime and every
+decision about a model, so that refusals, holds, `/metrics` and the stats stay one count.
+
+Between a front end and the dispatch process, one Unix stream socket carries frames: an
+8-byte head (the meta's and the payload's lengths), the meta as JSON, the payload. Per
+infer request, two round trips:
+
+- `h` (the header: model, version, first byte) -> `go` (admitted for now, its place in the
+  model's queue held while the body is read, as `server.early.HELD`) or `no` (the refusal:
+  status, message, rule, retry-after), answered by the front end exactly as the
+  one-process server answers it (`server.early.EarlyRefusal`);
+- `b` (the whole body as payload) -> `a` (status, headers; the answer as payload), from the
+  dispatch process's own infer endpoint (`server.app`), called with the body at once.
+
+While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`); a request
+that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
+Every other route goes whole as `x` and is answered by the dispatch process's app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dstack.common.errors import DStackError, Unavailable
+from server.app import read_body
+from server.connection import RECEIVED_AT
+from server.early import CHECK_EVERY_BYTES, HELD, INFER_PATH
+from server.limits import BodyBudget, refuse, retry_after
+
+log = logging.getLogger("dstack.server")
+
+#: A frame's head: the meta's length, the payload's length.
+HEAD = struct.Struct("<II")
+#: Bytes read from the link at once when no big payload is being filled.
+READ_BYTES = 1 << 16
+
+
+def frame(meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> list[Any]:
+    m = orjson.dumps(meta)
+    return [HEAD.pack(len(m), len(payload)), m, payload]
+
+
+class FrameReader(asyncio.BufferedProtocol):
+    """Reads frames in bulk: many small ones per read; a payload bigger than what is left of
+    the read buffer goes straight into its own bytearray. `on_frame(meta, payload)`."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray(READ_BYTES)
+        self._n = 0  # bytes of _buf holding unparsed data
+        self._meta: dict[str, Any] | None = None  # the frame whose payload is being filled
+        self._payload: bytearray | None = None
+        self._filled = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload is not None:
+            return memoryview(self._payload)[self._filled:]
+        return memoryview(self._buf)[self._n:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._payload is not None:
+            self._filled += nbytes
+            if self._filled < len(self._payload):
+                return
+            meta, payload = self._meta, self._payload
+            self._meta = self._payload = None
+            self.on_frame(meta, payload)  # type: ignore[arg-type]
+            return
+        self._n += nbytes
+        buf, at, n = self._buf, 0, self._n
+        while n - at >= HEAD.size:
+            mlen, plen = HEAD.unpack_from(buf, at)
+            start = at + HEAD.size
+            if n - start < mlen:
+                break
+            meta = orjson.loads(memoryview(buf)[start:start + mlen])
+            start += mlen
+            have = n - start
+            if have >= plen:
+                payload = bytes(buf[start:start + plen]) if plen else b""
+                at = start + plen
+                self.on_frame(meta, payload)
+                continue
+            if HEAD.size + mlen + plen <= len(buf):  # the frame fits: read the rest first
+                break
+            self._meta, self._payload = meta, bytearray(plen)
+            self._payload[:have] = buf[start:n]
+            self._filled, at = have, n
+            break
+        if at:
+            buf[:n - at] = buf[at:n]
+            self._n = n - at
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        raise NotImplementedError
+
+    def send(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frame(meta, payload))
+
+
+# ---------------------------------------------------------------------- dispatch side
+
+
+def _error_of(meta: dict[str, Any]) -> DStackError:
+    """The refusal a `no` carries, as the `DStackError` it was decided as."""
+    e = DStackError(meta["e"])
+    e.status_code = meta["s"]
+    e.reason = meta.get("why", "rejected")
+    e.rule = meta.get("r")
+    e.retry_after_s = meta.get("ra")
+    e.logged = True
+    return e
+
+
+def _refusal_meta(i: int, e: DStackError) -> dict[str, Any]:
+    return {"k": "no", "i": i, "s": e.status_code, "e": e.message, "r": e.rule,
+            "ra": e.retry_after_s, "why": e.reason}
+
+
+class Dispatch:
+    """The dispatch process's end of the links: `app` (the one-process server's app, built
+    by `server.main.build_app` without auth: the front ends check it) answers every
+    request; its runtime's `refuse_early` and `release` decide and hold at the header."""
+
+    def __init__(self, app: Any, runtime: Any, version: str) -> None:
+        self.app = app
+        self.infer = app.state.infer_endpoint
+        self.failed = app.state.metrics.failed
+        self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
+        self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
+        self.version = version
+        self.links: set[_DispatchLink] = set()
+        self.hello: asyncio.Queue[int] = asyncio.Queue()  # pids of front ends ready
+
+    async def listen(self, path: Path) -> asyncio.AbstractServer:
+        loop = asyncio.get_running_loop()
+        return await loop.create_unix_server(lambda: _DispatchLink(self), str(path))
+
+
+class _DispatchLink(FrameReader):
+    def __init__(self, dispatch: Dispatch) -> None:
+        super().__init__()
+        self.d = dispatch
+        self.holds: dict[int, str] = {}  # request id -> model, held while its body is read
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.d.links.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.d.links.discard(self)
+        for model in self.holds.values():  # the front end is gone: so are its bodies
+            self._release(model)
+        self.holds.clear()
+
+    def _release(self, model: str) -> None:
+        if self.d.release is not None:
+            self.d.release(model)
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        k = meta["k"]
+        if k == "h":
+            self._header(meta)
+        elif k == "b" or k == "x":
+            t = asyncio.get_running_loop().create_task(self._answer(meta, payload))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+        elif k == "c":
+            self._check(meta)
+        elif k == "r":
+            model = self.holds.pop(meta["i"], None)
+            if model is not None:
+                self._release(model)
+        elif k == "hello":
+            self.d.hello.put_nowait(meta["pid"])
+
+    def _header(self, meta: dict[str, Any]) -> None:
+        i, model = meta["i"], meta["m"]
+        ask = self.d.refuse_early
+        if ask is None or meta.get("v") not in (None, self.d.version):
+            self.send({"k": "go", "i": i})  # the route answers it (404 for a wrong version)
+            return
+        try:
+            ask(model, hold=self.d.release is not None)
+        except DStackError as e:
+            if e.status_code == 404:  # the route answers it
+                self.send({"k": "go", "i": i})
+                return
+            self.d.failed(model, e, "header", meta["t"])
+            self.send(_refusal_meta(i, e))
+            return
+        if self.d.release is not None:
+            self.holds[i] = model
+        self.send({"k": "go", "i": i})
+
+    def _check(self, meta: dict[str, Any]) -> None:
+        i, model = meta["i"], meta["m"]
+        try:
+            if self.d.refuse_early is not None:
+                self.d.refuse_early(model, time.monotonic() - meta["t"])
+        except DStackError as e:
+            held = self.holds.pop(i, None)
+            if held is not None:
+                self._release(held)
+            self.d.failed(model, e, "body", meta["t"])
+            self.send(_refusal_meta(i, e))
+            return
+        self.send({"k": "go", "i": i})
+
+    async def _answer(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        i = meta["i"]
+        status = 500
+        headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+
+        given = False
+
+        async def receive() -> Message:
+            nonlocal given
+            if given:  # as a connection still open: nothing more to read
+                await asyncio.get_running_loop().create_future()
+            given = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+
+        async def send(msg: Message) -> None:
+            nonlocal status, headers
+            if msg["type"] == "http.response.start":
+                status, headers = msg["status"], list(msg.get("headers", ()))
+            elif msg["type"] == "http.response.body":
+                chunks.append(msg.get("body", b""))
+
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": meta.get("M", "POST"), "scheme": "http", "path": meta["p"],
+            "raw_path": meta["p"].encode(), "query_string": meta.get("q", "").encode(),
+            "root_path": "", "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                                         for k, v in meta.get("H", ())],
+            "client": None, "server": None, "state": {}, RECEIVED_AT: meta.get("t"),
+        }
+        held = self.holds.pop(i, None)
+        try:
+            if meta["k"] == "b":
+                if held is not None:
+                    scope[HELD] = held
+                await self.d.infer(scope, receive, send, meta["m"], meta.get("v"))
+            else:
+                await self.d.app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - the endpoint answers its own; this is a bug
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            status, headers, chunks = 500, [], [b'{"error":"internal error"}']
+        finally:
+            left = scope.pop(HELD, None)
+            if left is not None:
+                self._release(left)
+        self.send({"k": "a", "i": i, "s": status,
+                   "H": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                         if k != b"content-length"]},
+                  chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+# ---------------------------------------------------------------------- front-end side
+
+
+class Link(FrameReader):
+    """A front end's end of its link: `call(meta, payload)` awaits the dispatch process's
+    answer to the request `meta["i"]`; `tell(meta)` wants none."""
+
+    def __init__(self, on_lost: Callable[[], None]) -> None:
+        super().__init__()
+        self.ids = itertools.count(1)
+        self.waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self.on_lost = on_lost
+
+    def call(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b""
+             ) -> Awaitable[tuple[dict[str, Any], bytes]]:
+        if self.transport is None or self.transport.is_closing():
+            raise Unavailable("the server is stopping")
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[meta["i"]] = fut
+        self.send(meta, payload)
+        return fut
+
+    tell = FrameReader.send
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        fut = self.waiting.pop(meta["i"], None)
+        if fut is not None and not fut.done():
+            fut.set_result((meta, payload))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(Unavailable("the server is stopping"))
+        self.waiting.clear()
+        self.on_lost()
+
+
+#: The scope key the front end's header check sets to the request's id on the link when
+#: the dispatch process let it through with a hold; popped when its body is sent (`b`).
+LINK_ID = "dstack.link_id"
+
+
+class _TooLate(Exception):
+    def __init__(self, error: DStackError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class FrontEnd:
+    """The front end's ASGI app (inside `BodyLimits` and `BearerAuth`, outside them
+    `FrontEndRefusal`): infer requests' bodies go to the dispatch process as `b`, every
+    other request whole as `x`."""
+
+    def __init__(self, link: Link, max_body_bytes: int) -> None:
+        self.link = link
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        i = next(self.link.ids)
+        m = INFER_PATH.match(scope["path"]) if scope["method"] == "POST" else None
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)  # whole: BodyLimits
+        except DStackError as e:  # a client gone mid-body
+            await refuse(scope, receive, send, e.status_code, e.message)
+            return
+        if m is not None:
+            meta = {"k": "b", "i": scope.pop(LINK_ID, i), "m": m.group(1), "v": m.group(2),
+                    "p": scope["path"], "t": scope.get(RECEIVED_AT) or time.monotonic(),
+                    "H": [(k.decode("latin-1"), v.decode("latin-1"))
+                          for k, v in scope["headers"] if k == b"inference-header-content-length"]}
+        else:
+            meta = {"k": "x", "i": i, "M": scope["method"], "p": scope["path"],
+                    "q": scope["query_string"].decode("latin-1"),
+                    "H": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]}
+        try:
+            reply, out = await self.link.call(meta, body)
+        except DStackError as e:
+            await refuse(scope, receive, send, e.status_code, e.message)
+            return
+        await send({"type": "http.response.start", "status": reply["s"], "headers": [
+            (b"content-length", str(len(out)).encode()),
+            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in reply["H"])]})
+        await send({"type": "http.response.body", "body": out})
+
+
+class FrontEndRefusal:
+    """`server.early.EarlyRefusal` across the link: the header of `POST .../infer` asked
+    about (`h`) before its body is read, and again (`c`) each CHECK_EVERY_BYTES while it
+    arrives; a refusal answered with the same status, body and `Retry-After`, and the rest
+    of its body dropped by the connection."""
+
+    def __init__(self, app: ASGIApp, link: Link, *, drain_bytes: int) -> None:
+        self.app = app
+        self.link = link
+        self.drain_bytes = drain_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        m = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            m = INFER_PATH.match(scope["path"])
+        if m is None:
+            await self.app(scope, receive, send)
+            return
+        model, i = m.group(1), next(self.link.ids)
+        received = scope.get(RECEIVED_AT) or time.monotonic()
+        try:
+            reply, _ = await self.link.call({"k": "h", "i": i, "m": model, "v": m.group(2),
+                                             "t": received})
+        except DStackError as e:
+            await refuse(scope, receive, send, e.status_code, e.message)
+            return
+        if reply["k"] == "no":
+            await self._refuse(scope, receive, send, _error_of(reply))
+            return
+        scope[LINK_ID] = i
+        try:
+            await self.app(scope, self._watched(receive, i, model, received), send)
+        except _TooLate as late:
+            await self._refuse(scope, receive, send, late.error)
+        finally:
+            if scope.pop(LINK_ID, None) is not None:  # its body never went: give the hold back
+                self.link.tell({"k": "r", "i": i})
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, e: DStackError) -> None:
+        await refuse(scope, receive, send, e.status_code, e.message, headers=retry_after(e),
+                     drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
+
+    def _watched(self, receive: Receive, i: int, model: str, received: float) -> Receive:
+        unchecked = 0
+
+        async def watched() -> Message:
+            nonlocal unchecked
+            msg = await receive()
+            if msg.get("more_body", False):
+                unchecked += len(msg.get("body", b""))
+                if unchecked >= CHECK_EVERY_BYTES:
+                    unchecked = 0
+                    reply, _ = await self.link.call({"k": "c", "i": i, "m": model,
+                                                     "t": received})
+                    if reply["k"] == "no":
+                        raise _TooLate(_error_of(reply))
+            return msg
+
+        return watched
+
+
+class SharedBodyBudget(BodyBudget):
+    """`server.body_budget_bytes` across the front ends: a file of one 8-byte count per
+    front end, mapped by each, summed under a lock (`flock`) when a front end takes bytes,
+    so that the bodies held by all of them together stay within the limit. A front end
+    writes only its own count; the dispatch process zeroes a dead one's before restarting it."""
+
+    def __init__(self, limit_bytes: int, path: Path, slot: int) -> None:  # noqa: D107
+        self.limit_bytes = limit_bytes
+        self._fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, 0)
+        self._n = len(self._map) // 8
+        self._at = 8 * slot
+
+    @staticmethod
+    def create(path: Path, slots: int) -> None:
+        path.write_bytes(bytes(8 * slots))
+
+    @staticmethod
+    def clear(path: Path, slot: int) -> None:
+        with path.open("r+b") as f:
+            f.seek(8 * slot)
+            f.write(bytes(8))
+
+    @property  # type: ignore[override]
+    def used_bytes(self) -> int:
+        return sum(struct.unpack_from(f"<{self._n}q", self._map))
+
+    def _add(self, n: int) -> None:
+        (mine,) = struct.unpack_from("<q", self._map, self._at)
+        struct.pack_into("<q", self._map, self._at, mine + n)
+
+    def take(self, n: int) -> bool:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            if self.used_bytes + n > self.limit_bytes:
+                return False
+            self._add(n)
+            return True
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def give(self, n: int) -> None:
+        self._add(-n)
+
+
+# ---------------------------------------------------------------------- processes
+
+
+class FrontEnds:
+    """The dispatch process's front-end processes: started on `sock` (inherited), each
+    restarted when it dies unexpectedly, stopped with SIGTERM (each drains its requests
+    within the grace period, as one server does)."""
+
+    def __init__(self, n: int, config: Path, sock_fd: int, folder: Path,
+                 cores: tuple[int, ...] | None) -> None:
+        self.n = n
+        self.budget = folder / "budget"
+        SharedBodyBudget.create(self.budget, n)
+        self.argv = [sys.executable, "-m", "server.frontends", "--config", str(config),
+                     "--fd", str(sock_fd), "--link", str(folder / "link"), "--of", str(n),
+                     "--budget", str(self.budget)]
+        if cores:
+            self.argv += ["--cores", ",".join(map(str, cores))]
+        self.fd = sock_fd
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopping = False
+
+    def _start(self, k: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*self.argv, "--slot", str(k)], pass_fds=(self.fd,))
+
+    async def start(self, hello: asyncio.Queue[int], timeout_s: float) -> None:
+        self.procs = [self._start(k) for k in range(self.n)]
+        deadline = time.monotonic() + timeout_s
+        for _ in range(self.n):
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(hello.get(), max(0.01, left))
+            except TimeoutError:
+                codes = [p.poll() for p in self.procs]
+                raise RuntimeError(f"front ends not ready in {timeout_s:g} s "
+                                   f"(exit codes {codes})") from None
+
+    async def watch(self) -> None:
+        """Restart a front end that died (its link's holds are given back as it closes)."""
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            for k, p in enumerate(self.procs):
+                if p.poll() is not None and not self.stopping:
+                    log.warning("front end %d (pid %d) exited with %s; starting another",
+                                k, p.pid, p.returncode)
+                    SharedBodyBudget.clear(self.budget, k)  # what it held went with it
+                    self.procs[k] = self._start(k)
+
+    async def stop(self, grace_s: float) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s + 5
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A front-end process (started by the dispatch process, not by hand)."""
+    import argparse
+    import socket
+
+    import uvicorn
+
+    from dstack.common.config import load_config
+    from dstack.common.pauses import freeze_startup_objects
+    from dstack.common.slices import pin_threads
+    from server.auth import BearerAuth, load_token
+    from server.connection import raise_fd_limit
+    from server.limits import BodyLimits
+    from server.main import server_config
+
+    p = argparse.ArgumentParser(prog="python -m server.frontends")
+    p.add_argument("--config", required=True)
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--link", required=True)
+    p.add_argument("--of", type=int, required=True)
+    p.add_argument("--budget", required=True)
+    p.add_argument("--slot", type=int, required=True)
+    p.add_argument("--cores", default=None)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the dispatch process says when to stop
+    cfg = load_config(args.config)
+    logging.basicConfig(level=cfg.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cores:
+        pin_threads(tuple(int(c) for c in args.cores.split(",")))
+    s = cfg.server
+    share = -(-s.max_connections // args.of)
+    s = s.model_copy(update={"max_connections": share})
+    raise_fd_limit(share)
+    sock = socket.socket(fileno=args.fd)
+    link = Link(lambda: setattr(server, "should_exit", True))  # the dispatch process is gone
+    app: ASGIApp = FrontEnd(link, s.max_body_bytes)
+    app = BodyLimits(app, max_body_bytes=s.max_body_bytes, budget=SharedBodyBudget(
+        s.body_budget_bytes, Path(args.budget), args.slot))
+    app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes)
+    token = load_token(s)
+    if token is not None:
+        app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
+                         drain_bytes=s.max_body_bytes)
+    config = server_config(app, s)  # type: ignore[arg-type]
+    config.lifespan = "off"
+
+    class _FrontEndServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            loop = asyncio.get_running_loop()
+            await loop.create_unix_connection(lambda: link, args.link)
+            await super().startup(sockets)
+            freeze_startup_objects()
+            link.tell({"k": "hello", "i": 0, "pid": os.getpid()})
+
+    server = _FrontEndServer(config)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
