@@ -1,0 +1,257 @@
+"""A real `dstack serve` with `server.frontends: 2` (docs/frontends.md): every route answers
+through the front-end processes as the one-process server does, refusals keep their
+status, body and headers and are counted once by the dispatch process, a front end that
+dies is replaced while the other goes on serving, and SIGTERM or SIGINT drains the
+requests in flight through the front ends and leaves none of them behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from server.metrics import histogram_counts
+from tests.e2e.server_process import TINY, ServerProcess, launch, wait_ready
+
+INFER = "/v2/models/tiny_cnn/infer"
+LONG_S = 60  # grace and body timeout: far longer than a test may wait for an exit
+RESTARTED = re.compile(r"front end \d+ \(pid (\d+)\) exited with (-?\d+); starting another")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server with two front ends, shared by the tests that leave it running."""
+    s = launch({"policy": "shared", "models": [TINY], "server": {"frontends": 2}},
+               tmp_path_factory.mktemp("frontends"))
+    try:
+        yield wait_ready(s)
+    finally:
+        s.stop()  # gracefully: a kill would leave its workers' shared memory behind
+
+
+def _infer_json(n: int = 1) -> bytes:
+    return json.dumps({"inputs": [{"name": "input", "shape": [n, 3, 32, 32], "datatype": "FP32",
+                                   "data": [0.5] * (n * 3072)}]}).encode()
+
+
+def _post(srv: ServerProcess, body: bytes) -> tuple[int, dict, dict[str, str]]:
+    """A plain urllib POST on a new connection: (status, JSON body, lower-cased headers)."""
+    req = urllib.request.Request(f"http://{srv.url}{INFER}", data=body, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, payload, headers = r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        status, payload, headers = e.code, json.loads(e.read()), e.headers
+    return status, payload, {k.lower(): v for k, v in headers.items()}
+
+
+def _get_text(srv: ServerProcess, path: str) -> str:
+    with urllib.request.urlopen(f"http://{srv.url}{path}", timeout=10) as r:
+        return r.read().decode()
+
+
+def _successes(srv: ServerProcess) -> tuple[int, float]:
+    """tiny_cnn's successful requests: (the stats' count, /metrics' counter)."""
+    stats = json.loads(_get_text(srv, "/v2/models/tiny_cnn/stats"))
+    count = stats["model_stats"][0]["inference_stats"]["success"]["count"]
+    m = re.search(r'^nv_inference_request_success\{model="tiny_cnn",version="1"\} (\S+)$',
+                  _get_text(srv, "/metrics"), re.M)
+    assert m is not None
+    return count, float(m.group(1))
+
+
+def _front_ends(srv: ServerProcess) -> list[int]:
+    """`srv.front_ends()`, tried again while a process it lists is just going away."""
+    for _ in range(20):
+        try:
+            return srv.front_ends()
+        except OSError:
+            time.sleep(0.05)
+    return srv.front_ends()
+
+
+def _alive_front_end(pid: int) -> bool:
+    try:
+        return b"server.frontends" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_every_route_answers_through_the_front_ends(srv: ServerProcess) -> None:
+    assert len(_front_ends(srv)) == 2
+    for path in ("/v2", "/v2/models/tiny_cnn", "/v2/models/tiny_cnn/config",
+                 "/v2/health/ready", "/metrics"):
+        assert srv.get(path) == 200, path
+    before, before_metric = _successes(srv)
+    rounds = 4
+
+    def client_thread(seed: int) -> int:
+        """One tritonclient per thread: binary and JSON infers of the same inputs agree."""
+        client = httpclient.InferenceServerClient(srv.url)
+        rng = np.random.default_rng(seed)
+        done = 0
+        try:
+            for k in range(rounds):
+                x = rng.standard_normal((1 + (seed + k) % 4, 3, 32, 32), dtype=np.float32)
+                got = {}
+                for binary in (True, False):
+                    inp = httpclient.InferInput("input", list(x.shape), "FP32")
+                    inp.set_data_from_numpy(x, binary_data=binary)
+                    out = httpclient.InferRequestedOutput("output", binary_data=binary)
+                    got[binary] = client.infer("tiny_cnn", [inp], outputs=[out]).as_numpy(
+                        "output")
+                    done += 1
+                    assert got[binary].shape == (x.shape[0], 10)
+                    assert np.isfinite(got[binary]).all()
+                np.testing.assert_allclose(got[True], got[False], rtol=1e-4, atol=1e-5)
+        finally:
+            client.close()
+        return done
+
+    with ThreadPoolExecutor(4) as pool:
+        k = sum(pool.map(client_thread, range(4)))
+    assert k == 4 * rounds * 2
+    after, after_metric = _successes(srv)
+    assert after - before == k  # counted once, by the dispatch process
+    assert after_metric - before_metric == k
+    assert len(_front_ends(srv)) == 2
+
+
+def test_refusals_through_front_ends_match_one_process_and_are_counted_once(
+        tmp_path: Path) -> None:
+    # An SLO of 1 µs: no request can be queued in time, so each is refused from its header.
+    hopeless = {**TINY, "slo_ms": 0.001, "max_queue_delay_ms": 0}
+    servers: dict[int, ServerProcess] = {}
+    try:
+        for n in (1, 2):  # both start at once
+            (tmp_path / str(n)).mkdir()
+            servers[n] = launch({"policy": "shared", "models": [hopeless],
+                                 "server": {"frontends": n}}, tmp_path / str(n))
+        for s in servers.values():
+            wait_ready(s)
+
+        def shape(answer: tuple[int, dict, dict[str, str]]) -> tuple:
+            status, payload, headers = answer
+            return (status, sorted(payload), payload.get("reason"),
+                    headers.get("content-type"), headers.get("retry-after"))
+
+        want = shape(_post(servers[1], _infer_json()))
+        assert want[0] == 429 and want[1] == ["error", "reason"], want
+        sent = 20
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _post(servers[2], _infer_json()), range(sent)))
+        assert [shape(a) for a in answers] == [want] * sent
+        assert all("SLO" in a[1]["error"] for a in answers)
+
+        text = _get_text(servers[2], "/metrics")
+        header = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",
+                                  stage="header")
+        body = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn", stage="body")
+        assert (sum(header.counts), sum(body.counts)) == (sent, 0)
+        stats = json.loads(_get_text(servers[2], "/v2/models/tiny_cnn/stats"))
+        assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == sent
+        assert stats["model_stats"][0]["inference_stats"]["success"]["count"] == 0
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def test_a_killed_front_end_is_replaced_and_requests_go_on(srv: ServerProcess) -> None:
+    old = _front_ends(srv)
+    assert len(old) == 2
+    victim = old[0]
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        """Requests one after another; a connection error retried at most 3 times."""
+        while not stop.is_set():
+            for _ in range(4):
+                try:
+                    statuses.append(_post(srv, _infer_json())[0])
+                    break
+                except OSError:  # reset by the dying front end: once, for that request
+                    time.sleep(0.05)
+            else:
+                statuses.append(0)
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        now = _front_ends(srv)
+        while (len(now) != 2 or victim in now) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = _front_ends(srv)
+        assert len(now) == 2 and victim not in now and old[1] in now, (old, now, srv.text())
+    finally:
+        stop.set()
+        t.join(30)
+    assert statuses and all(s == 200 for s in statuses), statuses
+    for _ in range(20):  # new connections, spread by the kernel over both front ends
+        assert _post(srv, _infer_json())[0] == 200
+    os.kill(old[1], signal.SIGSTOP)  # the replacement alone accepts: it serves
+    try:
+        for _ in range(5):
+            assert _post(srv, _infer_json())[0] == 200
+    finally:
+        os.kill(old[1], signal.SIGCONT)
+    exits = RESTARTED.findall(srv.text())
+    assert exits == [(str(victim), str(-signal.SIGKILL))], srv.text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_drains_through_the_front_ends(tmp_path: Path, sig: signal.Signals,
+                                                     ) -> None:
+    # A batch waits up to 1.5 s for company: a lone request is in flight for that long.
+    slow = {**TINY, "max_queue_delay_ms": 1500}
+    s = launch({"policy": "shared", "models": [slow], "server": {
+        "frontends": 2, "shutdown_grace_s": LONG_S, "body_timeout_s": LONG_S}}, tmp_path)
+    try:
+        wait_ready(s)
+        fronts = _front_ends(s)
+        assert len(fronts) == 2
+        results: list = []
+
+        def post() -> None:
+            try:
+                results.append(_post(s, _infer_json()))
+            except Exception as e:  # noqa: BLE001 - the test reports what happened
+                results.append((0, repr(e), {}))
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        upload = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        upload.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 9000\r\n\r\n{{"
+                       .encode())
+        time.sleep(0.5)  # the request is queued, the upload stalled
+        s.proc.send_signal(sig)
+        raw = upload.recv(4096)
+        upload.close()
+        assert raw.startswith(b"HTTP/1.1 503"), raw  # not held until the grace ends
+        assert "shutting down" in json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+        thread.join(30)
+        assert results and results[0][0] == 200, (results, s.text())
+        assert len(results[0][1]["outputs"][0]["data"]) == 10
+        code = s.stop(sig, timeout_s=LONG_S / 2)  # waits; the signal was sent
+        assert code == 0, s.text()
+        assert "dstack stopped" in s.text()
+        assert not [pid for pid in fronts if _alive_front_end(pid)]
+        assert not RESTARTED.search(s.text())  # stopped, not restarted
+    finally:
+        s.stop()
