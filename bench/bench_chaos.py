@@ -534,19 +534,25 @@ def big_bodies(args: argparse.Namespace) -> Row:
                    rss_before_mb=before, rss_after_mb=after)
 
 
-def refusal_cost(args: argparse.Namespace) -> Row:
+def refusal_cost(args: argparse.Namespace) -> list[Row]:
     """What a refusal from the header costs the server: the dstack mix with SLOs of 1 ms
     (no plan meets them: every request is refused from its header, `unplanned`, and no
     worker runs), `--refusal-requests` one-item requests of resnet18 (a 600 KB binary
     body each) sent back to back on 8 kept-alive connections. The server's CPU per
-    request, user and kernel, from /proc."""
-    cfg = config("dstack", "refusal-cost")
+    request, user and kernel, from /proc; with front ends (`--frontends`), the dispatch
+    process's (`server_*`) and the front ends' together (`frontends_us`)."""
+    return [_refusal_cost(args, n) for n in args.frontends]
+
+
+def _refusal_cost(args: argparse.Namespace, frontends: int) -> Row:
+    server = {"frontends": frontends} if frontends > 1 else None
+    cfg = config("dstack", f"refusal-cost-{frontends}", server)
     spec = yaml.safe_load(cfg.read_text())
     for m in spec["models"]:
         m["slo_ms"], m["max_queue_delay_ms"] = 1, 0.5
     cfg.write_text(yaml.safe_dump(spec))
     n, conns = args.refusal_requests, 8
-    with serving(cfg, OUT / "refusal-cost.log") as srv:
+    with serving(cfg, OUT / f"refusal-cost-{frontends}.log") as srv:
         meta = get_json(f"{srv.host}/v2/models/resnet18")
         tally = cl.Tally()
 
@@ -566,14 +572,19 @@ def refusal_cost(args: argparse.Namespace) -> Row:
 
         run(all_of(conns * 25))  # warm
         tally = cl.Tally()
+        fronts = front_ends(srv.pid)
         user0, sys0 = cl.cpu_user_sys_s(srv.pid)
+        front0 = sum(sum(cl.cpu_user_sys_s(p)) for p in fronts)
         t0 = time.monotonic()
         run(all_of(n))
         wall = time.monotonic() - t0
         user1, sys1 = cl.cpu_user_sys_s(srv.pid)
-        return row("refusal cost (resnet18, 600 KB bodies)", tally, srv.pid,
+        front1 = sum(sum(cl.cpu_user_sys_s(p)) for p in fronts)
+        where = f", {frontends} front ends" if frontends > 1 else ""
+        return row(f"refusal cost (resnet18, 600 KB bodies{where})", tally, srv.pid,
                    per_s=tally.sent / wall, server_user_us=1e6 * (user1 - user0) / tally.sent,
-                   server_kernel_us=1e6 * (sys1 - sys0) / tally.sent)
+                   server_kernel_us=1e6 * (sys1 - sys0) / tally.sent,
+                   **({"frontends_us": 1e6 * (front1 - front0) / tally.sent} if fronts else {}))
 
 
 def slowloris(args: argparse.Namespace) -> Row:
@@ -892,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
         "stalled": lambda: rows.append(stalled(args)),
         "sigterm": lambda: rows.append(sigterm(args)),
         "fuzz": lambda: rows.append(fuzz_real(args)),
-        "refusal-cost": lambda: rows.append(refusal_cost(args)),
+        "refusal-cost": lambda: rows.extend(refusal_cost(args)),
     }
     for name in args.only:
         print(f"== {name}", flush=True)

@@ -129,9 +129,19 @@ WHOLE_BODY_BYTES = 1 << 20
 
 #: `refuse_at_header(path, headers, content_length, scope)`: the status, headers and body
 #: to answer a request with from its header alone, or None to hand it to the app (with
-#: what it noted in the request's ASGI `scope`).
+#: what it noted in the request's ASGI `scope`), or LATER.
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 HeaderCheck = Callable[[str, list[tuple[bytes, bytes]], int, dict[str, Any]],
-                       tuple[int, list[tuple[bytes, bytes]], bytes] | None]
+                       "Answer | None | object"]
+
+#: What a `HeaderCheck` returns when the answer comes later (asked of another process,
+#: `server.frontends`): it then calls `scope[ANSWER_LATER](answer)`, with the answer or
+#: None as it would have returned. Meanwhile the connection reads nothing more and keeps
+#: what came of the body with the header.
+LATER = object()
+
+#: The scope key of a connection's `answered_later` (set before its check is asked).
+ANSWER_LATER = "dstack.answer_later"
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
@@ -167,6 +177,16 @@ class _Pieces:
     def __bytes__(self) -> bytes:
         pieces = self._pieces
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+class _Later:
+    """What came of a request's body while its header check answers LATER."""
+
+    __slots__ = ("body", "complete")
+
+    def __init__(self) -> None:
+        self.body: list[bytes] = []
+        self.complete = False  # the whole body came with the header
 
 
 class _Whole:
@@ -253,6 +273,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._sink_watched = False  # the loop calls _drop_some when the sink has bytes
         self._dup: socket.socket | None = None  # the sink, kept for the connection's life
         self._whole: _Whole | None = None  # the body being read straight into its bytes
+        self._later: _Later | None = None  # the request whose check answers LATER, meanwhile
 
     # -- connection
 
@@ -313,6 +334,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- parser callbacks
 
     def on_message_begin(self) -> None:
+        if self._later is not None:  # pipelined behind a request still being asked about
+            self.transport.close()  # (clients do not pipeline POSTs; not worth a queue)
+            return
         super().on_message_begin()
         self.scope[RECEIVED_AT] = time.monotonic()  # type: ignore[literal-required]
         self._in_header = True
@@ -340,19 +364,54 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_body = True
         self._last_body_at = self.loop.time()
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
-        if not self._answer_from_header():
-            started = self.cycle
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is not started and self.scope["method"] != "HEAD":  # a body follows
-                cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment]
-                if (not self.pipeline and not self.expect_100_continue
-                        and 0 < self._body_left <= WHOLE_BODY_BYTES):
-                    self._read_whole(cycle)
+        answered = self._answer_from_header()
+        if answered is LATER:
+            self._later = _Later()
+            self.flow.pause_reading()
+        elif not answered:
+            self._start_cycle()
+
+    def _start_cycle(self) -> None:
+        """Hand the request whose header was just parsed to the app (uvicorn's way)."""
+        started = self.cycle
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not started and self.scope["method"] != "HEAD":  # a body follows
+            cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment]
+            if (not self.pipeline and not self.expect_100_continue
+                    and 0 < self._body_left <= WHOLE_BODY_BYTES):
+                self._read_whole(cycle)
+
+    def answered_later(self, answer: Answer | None) -> bool:
+        """The answer of a check that said LATER: written (as `_answer_from_header` writes
+        one), or None: the request goes to the app with what came of its body. False when
+        the connection has gone meanwhile (nothing done)."""
+        later, self._later = self._later, None
+        if later is None or self.transport.is_closing():
+            return False
+        if answer is not None:
+            self._write_answer(answer)
+            if later.complete:
+                self._body_done()
+            elif not (self._body_left > 0 and self._sink_ok() and self._drop_in_kernel()):
+                self.flow.resume_reading()  # dropped through the parser (TLS)
+            return True
+        self.scope[ASKED_AT_HEADER] = True  # type: ignore[literal-required]
+        self._body_left += sum(map(len, later.body))  # as at the header; on_body counts them
+        self._start_cycle()
+        for piece in later.body:
+            self.on_body(piece)
+        if later.complete:
+            self.on_message_complete()
+        self.flow.resume_reading()
+        return True
 
     def on_body(self, body: bytes) -> None:
         self._last_body_at = self.loop.time()
         self._body_left -= len(body)
+        if self._later is not None:
+            self._later.body.append(body)
+            return
         whole = self._whole
         if whole is not None:  # what came with the header
             whole.view[whole.filled:whole.filled + len(body)] = body
@@ -364,6 +423,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._later is not None:
+            self._later.complete = True
+            return
         if self._answered_here:
             self._body_done()
             return
@@ -430,21 +492,28 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- answers from the header
 
-    def _answer_from_header(self) -> bool:
+    def _answer_from_header(self) -> bool | object:
         """Ask `refuse_at_header` about a POST with a declared length, alone on its
         connection (no answer before it still to be sent) and not waiting for `100
-        Continue`; write its answer if it has one (True)."""
+        Continue`; write its answer if it has one (True), or say LATER."""
         check = self.refuse_at_header
         cycle = self.cycle
         if (check is None or self._body_left < 0 or self.expect_100_continue or self.pipeline
                 or (cycle is not None and not cycle.response_complete)
                 or self.parser.get_method() != b"POST"):
             return False
+        self.scope[ANSWER_LATER] = self.answered_later  # type: ignore[literal-required]
         answer = check(httptools.parse_url(self.url).path.decode("ascii", "replace"),
                        self.headers, self._body_left, self.scope)  # type: ignore[arg-type]
+        if answer is LATER:
+            return LATER
         if answer is None:
             self.scope[ASKED_AT_HEADER] = True  # type: ignore[literal-required]
             return False
+        self._write_answer(answer)  # type: ignore[arg-type]
+        return True
+
+    def _write_answer(self, answer: Answer) -> None:
         status, headers, body = answer
         self._close_after = not self.parser.should_keep_alive()
         head = [STATUS_LINE[status]]
@@ -456,7 +525,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(b"".join([*head, b"\r\n", body]))
         self._answered_here = True
         self.server_state.total_requests += 1
-        return True
 
     def _body_done(self) -> None:
         """The body of a request answered early has all been read (and dropped)."""

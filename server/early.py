@@ -46,7 +46,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
-from server.connection import ASKED_AT_HEADER, RECEIVED_AT
+from server.connection import ASKED_AT_HEADER, RECEIVED_AT, Answer
 from server.limits import error_json, refuse, retry_after
 
 log = logging.getLogger("dstack.server")
@@ -147,10 +147,6 @@ class EarlyRefusal:
             return msg
 
         return watched
-
-
-#: What `HeaderRefusal` answers: the status, the headers and the body.
-Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 class HeaderRefusal:

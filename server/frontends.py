@@ -46,9 +46,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, Unavailable
 from server.app import read_body
-from server.connection import RECEIVED_AT
+from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
 from server.early import CHECK_EVERY_BYTES, HELD, INFER_PATH
-from server.limits import BodyBudget, refuse, retry_after
+from server.limits import BodyBudget, error_json, refuse, retry_after
 
 log = logging.getLogger("dstack.server")
 
@@ -303,38 +303,108 @@ class _DispatchLink(FrameReader):
 # ---------------------------------------------------------------------- front-end side
 
 
+#: What waits for the dispatch process's answer to one request: called with the answer's
+#: meta and payload, or (None, b"") when the link is gone.
+Waiter = Callable[[dict[str, Any] | None, bytes], None]
+
+STOPPING = "the server is stopping"
+
+
 class Link(FrameReader):
-    """A front end's end of its link: `call(meta, payload)` awaits the dispatch process's
-    answer to the request `meta["i"]`; `tell(meta)` wants none."""
+    """A front end's end of its link: `ask(meta, payload, waiter)` has `waiter` called with
+    the dispatch process's answer to the request `meta["i"]`, `call` awaits it, `tell(meta)`
+    wants none."""
 
     def __init__(self, on_lost: Callable[[], None]) -> None:
         super().__init__()
         self.ids = itertools.count(1)
-        self.waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self.waiting: dict[int, Waiter] = {}
         self.on_lost = on_lost
+
+    def ask(self, meta: dict[str, Any], waiter: Waiter,
+            payload: bytes | bytearray | memoryview = b"") -> bool:
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self.waiting[meta["i"]] = waiter
+        self.send(meta, payload)
+        return True
 
     def call(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b""
              ) -> Awaitable[tuple[dict[str, Any], bytes]]:
-        if self.transport is None or self.transport.is_closing():
-            raise Unavailable("the server is stopping")
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[meta["i"]] = fut
-        self.send(meta, payload)
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = (
+            asyncio.get_running_loop().create_future())
+
+        def answered(reply: dict[str, Any] | None, out: bytes) -> None:
+            if fut.done():
+                return
+            if reply is None:
+                fut.set_exception(Unavailable(STOPPING))
+            else:
+                fut.set_result((reply, out))
+
+        if not self.ask(meta, answered, payload):
+            raise Unavailable(STOPPING)
         return fut
 
     tell = FrameReader.send
 
     def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
-        fut = self.waiting.pop(meta["i"], None)
-        if fut is not None and not fut.done():
-            fut.set_result((meta, payload))
+        waiter = self.waiting.pop(meta["i"], None)
+        if waiter is not None:
+            try:
+                waiter(meta, payload)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - one request's bug must not cut the link
+                log.exception("unhandled error answering request %s", meta["i"])
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for fut in self.waiting.values():
-            if not fut.done():
-                fut.set_exception(Unavailable("the server is stopping"))
-        self.waiting.clear()
+        waiting, self.waiting = self.waiting, {}
+        for waiter in waiting.values():
+            waiter(None, b"")
         self.on_lost()
+
+
+class LinkHeaderCheck:
+    """The front end's `server.connection.HeaderCheck`: an infer request's header asked
+    about across the link (`h`) the moment it is parsed, with no task and no app; the
+    connection reads nothing more until the answer (LATER). A refusal is written by the
+    connection as the one-process server's `server.early.HeaderRefusal` writes it; a
+    request let through goes to the app with its id on the link (`LINK_ID`), its place
+    held. Not asked (None: `FrontEndRefusal` asks): other routes, bodies over
+    `max_body_bytes`, requests without the token where one is wanted."""
+
+    def __init__(self, link: Link, *, max_body_bytes: int,
+                 allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None) -> None:
+        self.link = link
+        self.max_body_bytes = max_body_bytes
+        self.allowed = allowed
+
+    def __call__(self, path: str, headers: list[tuple[bytes, bytes]], length: int,
+                 scope: dict[str, Any]) -> object:
+        m = INFER_PATH.match(path)
+        if (m is None or length > self.max_body_bytes
+                or (self.allowed is not None and not self.allowed(path, headers))):
+            return None
+        i = next(self.link.ids)
+        resume = scope[ANSWER_LATER]
+
+        def answered(reply: dict[str, Any] | None, _: bytes) -> None:
+            if reply is None:
+                e: DStackError = Unavailable(STOPPING)
+                e.retry_after_s = 1.0
+            elif reply["k"] == "go":
+                scope[LINK_ID] = i
+                if not resume(None):  # the client has gone meanwhile
+                    self.link.tell({"k": "r", "i": i})
+                return
+            else:
+                e = _error_of(reply)
+            resume((e.status_code, [(b"content-type", b"application/json"), *retry_after(e)],
+                    error_json(e.message, e.rule)))
+
+        if not self.link.ask({"k": "h", "i": i, "m": m.group(1), "v": m.group(2),
+                              "t": scope.get(RECEIVED_AT) or time.monotonic()}, answered):
+            return None
+        return LATER
 
 
 #: The scope key the front end's header check sets to the request's id on the link when
@@ -405,18 +475,21 @@ class FrontEndRefusal:
         if m is None:
             await self.app(scope, receive, send)
             return
-        model, i = m.group(1), next(self.link.ids)
+        model = m.group(1)
         received = scope.get(RECEIVED_AT) or time.monotonic()
-        try:
-            reply, _ = await self.link.call({"k": "h", "i": i, "m": model, "v": m.group(2),
-                                             "t": received})
-        except DStackError as e:
-            await refuse(scope, receive, send, e.status_code, e.message)
-            return
-        if reply["k"] == "no":
-            await self._refuse(scope, receive, send, _error_of(reply))
-            return
-        scope[LINK_ID] = i
+        i = scope.get(LINK_ID)
+        if i is None:  # not asked by the connection (LinkHeaderCheck): asked here
+            i = next(self.link.ids)
+            try:
+                reply, _ = await self.link.call({"k": "h", "i": i, "m": model,
+                                                 "v": m.group(2), "t": received})
+            except DStackError as e:
+                await refuse(scope, receive, send, e.status_code, e.message)
+                return
+            if reply["k"] == "no":
+                await self._refuse(scope, receive, send, _error_of(reply))
+                return
+            scope[LINK_ID] = i
         try:
             await self.app(scope, self._watched(receive, i, model, received), send)
         except _TooLate as late:
@@ -564,10 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     from dstack.common.config import load_config
     from dstack.common.pauses import freeze_startup_objects
     from dstack.common.slices import pin_threads
-    from server.auth import BearerAuth, load_token
-    from server.connection import raise_fd_limit
+    from server.auth import BearerAuth, has_token, is_open, load_token
+    from server.connection import LimitedHttpToolsProtocol, raise_fd_limit
     from server.limits import BodyLimits
-    from server.main import server_config
+    from server.main import connection_limits, server_config
 
     p = argparse.ArgumentParser(prog="python -m server.frontends")
     p.add_argument("--config", required=True)
@@ -600,6 +673,13 @@ def main(argv: list[str] | None = None) -> int:
                          drain_bytes=s.max_body_bytes)
     config = server_config(app, s)  # type: ignore[arg-type]
     config.lifespan = "off"
+    open_paths = tuple(s.auth_open_paths)
+    secret = None if token is None else token.encode()
+    config.http = LimitedHttpToolsProtocol.with_limits(  # type: ignore[assignment]
+        connection_limits(s), LinkHeaderCheck(
+            link, max_body_bytes=s.max_body_bytes,
+            allowed=None if secret is None else lambda path, headers: (
+                is_open(path, open_paths) or has_token(headers, secret))))
 
     class _FrontEndServer(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -109,18 +109,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def connection_limits(cfg: ServerConfig) -> ConnectionLimits:
+    return ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
+                            drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
+
+
 def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
                   log_level: str | None = None) -> uvicorn.Config:
     """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files; its connections
     answer refusals from the header with `app.state.header_refusal` (set by build_app)."""
     cfg = cfg or ServerConfig()
-    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
-                              drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
     return uvicorn.Config(
         app,
         # a BufferedProtocol, which uvicorn's annotation (asyncio.Protocol) leaves out
         http=LimitedHttpToolsProtocol.with_limits(  # type: ignore[arg-type]
-            limits, getattr(getattr(app, "state", None), "header_refusal", None)),
+            connection_limits(cfg), getattr(getattr(app, "state", None), "header_refusal", None)),
         log_level=log_level or cfg.log_level,
         access_log=False,  # one log line per request would cost more than decoding it
         timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
