@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -71,7 +71,7 @@ HELD = "dstack.held"
 Failed = Callable[[str, DStackError, str, float | None], None]
 
 
-class _TooLate(Exception):
+class TooLate(Exception):
     """Raised out of a body's reading: `error` is the refusal it is answered with."""
 
     def __init__(self, error: DStackError) -> None:
@@ -111,7 +111,7 @@ class EarlyRefusal:
                 else:
                     try:
                         await self.app(scope, self._watched(scope, receive, model), send)
-                    except _TooLate as late:
+                    except TooLate as late:
                         await self._refuse(scope, receive, send, model, late.error, "body")
                     finally:
                         held = scope.pop(HELD, None)
@@ -127,26 +127,39 @@ class EarlyRefusal:
                      drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
 
     def _watched(self, scope: Scope, receive: Receive, model: str) -> Receive:
-        """`receive`, asking `refuse_early(model, since_s)` each time another
-        CHECK_EVERY_BYTES of the body have come while more is to come; its refusal is
-        raised as _TooLate, out of the body's reading (nothing has been answered yet)."""
+        """`receive`, asking `refuse_early(model, since_s)` as the body arrives."""
         received = scope.get(RECEIVED_AT) or time.monotonic()
-        unchecked = 0
 
-        async def watched() -> Message:
-            nonlocal unchecked
-            msg = await receive()
-            if msg.get("more_body", False):
-                unchecked += len(msg.get("body", b""))
-                if unchecked >= CHECK_EVERY_BYTES:
-                    unchecked = 0
-                    try:
-                        self.refuse_early(model, time.monotonic() - received)
-                    except DStackError as e:
-                        raise _TooLate(e) from None
-            return msg
+        async def check() -> DStackError | None:
+            try:
+                self.refuse_early(model, time.monotonic() - received)
+            except DStackError as e:
+                return e
+            return None
 
-        return watched
+        return checked_as_it_arrives(receive, check)
+
+
+def checked_as_it_arrives(receive: Receive,
+                          check: Callable[[], Awaitable[DStackError | None]]) -> Receive:
+    """`receive`, awaiting `check()` each time another CHECK_EVERY_BYTES of the body have
+    come while more is to come; the refusal it returns is raised as TooLate, out of the
+    body's reading (nothing has been answered yet)."""
+    unchecked = 0
+
+    async def watched() -> Message:
+        nonlocal unchecked
+        msg = await receive()
+        if msg.get("more_body", False):
+            unchecked += len(msg.get("body", b""))
+            if unchecked >= CHECK_EVERY_BYTES:
+                unchecked = 0
+                refusal = await check()
+                if refusal is not None:
+                    raise TooLate(refusal)
+        return msg
+
+    return watched
 
 
 class HeaderRefusal:

@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dstack.common.errors import DStackError, Unavailable
 from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
-from server.early import CHECK_EVERY_BYTES, HELD, INFER_PATH
+from server.early import HELD, INFER_PATH, TooLate, checked_as_it_arrives
 from server.limits import BodyBudget, error_json, refuse, retry_after
 
 log = logging.getLogger("dstack.server")
@@ -412,12 +412,6 @@ class LinkHeaderCheck:
 LINK_ID = "dstack.link_id"
 
 
-class _TooLate(Exception):
-    def __init__(self, error: DStackError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 class FrontEnd:
     """The front end's ASGI app (inside `BodyLimits` and `BearerAuth`, outside them
     `FrontEndRefusal`): infer requests' bodies go to the dispatch process as `b`, every
@@ -492,7 +486,7 @@ class FrontEndRefusal:
             scope[LINK_ID] = i
         try:
             await self.app(scope, self._watched(receive, i, model, received), send)
-        except _TooLate as late:
+        except TooLate as late:
             await self._refuse(scope, receive, send, late.error)
         finally:
             if scope.pop(LINK_ID, None) is not None:  # its body never went: give the hold back
@@ -503,22 +497,11 @@ class FrontEndRefusal:
                      drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
 
     def _watched(self, receive: Receive, i: int, model: str, received: float) -> Receive:
-        unchecked = 0
+        async def check() -> DStackError | None:  # `c`, across the link
+            reply, _ = await self.link.call({"k": "c", "i": i, "m": model, "t": received})
+            return _error_of(reply) if reply["k"] == "no" else None
 
-        async def watched() -> Message:
-            nonlocal unchecked
-            msg = await receive()
-            if msg.get("more_body", False):
-                unchecked += len(msg.get("body", b""))
-                if unchecked >= CHECK_EVERY_BYTES:
-                    unchecked = 0
-                    reply, _ = await self.link.call({"k": "c", "i": i, "m": model,
-                                                     "t": received})
-                    if reply["k"] == "no":
-                        raise _TooLate(_error_of(reply))
-            return msg
-
-        return watched
+        return checked_as_it_arrives(receive, check)
 
 
 class SharedBodyBudget(BodyBudget):

@@ -1,8 +1,8 @@
 """A real `dstack serve` with `server.frontends: 2` (docs/frontends.md): every route answers
 through the front-end processes as the one-process server does, refusals keep their
 status, body and headers and are counted once by the dispatch process, a front end that
-dies is replaced while the other goes on serving, and SIGTERM or SIGINT drains the
-requests in flight through the front ends and leaves none of them behind."""
+dies is replaced while the other goes on serving. (SIGTERM and SIGINT draining through
+them: tests/e2e/test_server_lifecycle.py; the limits: tests/e2e/test_server_limits.py.)"""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from server.metrics import histogram_counts
 from tests.e2e.server_process import TINY, ServerProcess, launch, wait_ready
 
 INFER = "/v2/models/tiny_cnn/infer"
-LONG_S = 60  # grace and body timeout: far longer than a test may wait for an exit
 RESTARTED = re.compile(r"front end \d+ \(pid (\d+)\) exited with (-?\d+); starting another")
 
 
@@ -81,13 +80,6 @@ def _front_ends(srv: ServerProcess) -> list[int]:
         except OSError:
             time.sleep(0.05)
     return srv.front_ends()
-
-
-def _alive_front_end(pid: int) -> bool:
-    try:
-        return b"server.frontends" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def test_every_route_answers_through_the_front_ends(srv: ServerProcess) -> None:
@@ -215,43 +207,33 @@ def test_a_killed_front_end_is_replaced_and_requests_go_on(srv: ServerProcess) -
     assert exits == [(str(victim), str(-signal.SIGKILL))], srv.text()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_drains_through_the_front_ends(tmp_path: Path, sig: signal.Signals,
-                                                     ) -> None:
-    # A batch waits up to 1.5 s for company: a lone request is in flight for that long.
-    slow = {**TINY, "max_queue_delay_ms": 1500}
-    s = launch({"policy": "shared", "models": [slow], "server": {
-        "frontends": 2, "shutdown_grace_s": LONG_S, "body_timeout_s": LONG_S}}, tmp_path)
+def test_a_body_still_arriving_past_its_deadline_is_refused_across_the_link(
+        tmp_path: Path) -> None:
+    """Checked again while it arrives (`c`, every MiB), as one process checks it: a 3 MiB
+    upload that stalls past its 300 ms SLO is refused once its next MiB comes, and the
+    connection, its body dropped, serves the next request."""
+    s = launch({"policy": "shared", "models": [{**TINY, "slo_ms": 300}],
+                "server": {"frontends": 2}}, tmp_path)
     try:
         wait_ready(s)
-        fronts = _front_ends(s)
-        assert len(fronts) == 2
-        results: list = []
-
-        def post() -> None:
-            try:
-                results.append(_post(s, _infer_json()))
-            except Exception as e:  # noqa: BLE001 - the test reports what happened
-                results.append((0, repr(e), {}))
-
-        thread = threading.Thread(target=post, daemon=True)
-        thread.start()
-        upload = socket.create_connection(("127.0.0.1", s.port), timeout=30)
-        upload.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 9000\r\n\r\n{{"
-                       .encode())
-        time.sleep(0.5)  # the request is queued, the upload stalled
-        s.proc.send_signal(sig)
-        raw = upload.recv(4096)
-        upload.close()
-        assert raw.startswith(b"HTTP/1.1 503"), raw  # not held until the grace ends
-        assert "shutting down" in json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
-        thread.join(30)
-        assert results and results[0][0] == 200, (results, s.text())
-        assert len(results[0][1]["outputs"][0]["data"]) == 10
-        code = s.stop(sig, timeout_s=LONG_S / 2)  # waits; the signal was sent
-        assert code == 0, s.text()
-        assert "dstack stopped" in s.text()
-        assert not [pid for pid in fronts if _alive_front_end(pid)]
-        assert not RESTARTED.search(s.text())  # stopped, not restarted
+        size = 3 << 20
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n"
+                      .encode() + b"x" * (512 << 10))
+            time.sleep(0.6)  # past the SLO, before the first check
+            c.sendall(b"x" * (1 << 20))  # its first MiB is in: the answer comes now
+            c.settimeout(10)  # (not after the whole body, nor at the 30 s body timeout)
+            head = c.recv(65536)
+            assert head.startswith(b"HTTP/1.1 429"), head
+            body = json.loads(head.split(b"\r\n\r\n", 1)[1])
+            assert body["reason"] and "SLO" in body["error"], body
+            c.sendall(b"x" * (size - (512 << 10) - (1 << 20)))  # the rest, dropped
+            c.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                      f"{len(_infer_json())}\r\n\r\n".encode() + _infer_json())
+            again = c.recv(65536)
+            assert again.startswith(b"HTTP/1.1 200"), again
+        text = _get_text(s, "/metrics")
+        late = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn", stage="body")
+        assert sum(late.counts) == 1
     finally:
         s.stop()

@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.server_process import ROOT, TINY, ServerProcess, launch, wait_ready
 
 LONG_S = 60  # grace and body timeout: far longer than the test may wait for an exit
@@ -41,11 +43,12 @@ def _post_in_thread(srv: ServerProcess, out: list) -> threading.Thread:
     return t
 
 
-def test_sigterm_and_sigint_drain_and_exit_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontends", [1, 2], ids=["one-process", "two-front-ends"])
+def test_sigterm_and_sigint_drain_and_exit_0(tmp_path: Path, frontends: int) -> None:
     # A batch waits up to 1.5 s for company: a lone request is in flight for that long.
     slow = {**TINY, "max_queue_delay_ms": 1500}
-    cfg = {"policy": "shared", "models": [slow],
-           "server": {"shutdown_grace_s": LONG_S, "body_timeout_s": LONG_S}}
+    cfg = {"policy": "shared", "models": [slow], "server": {
+        "shutdown_grace_s": LONG_S, "body_timeout_s": LONG_S, "frontends": frontends}}
     servers: dict[signal.Signals, ServerProcess] = {}
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):  # both start at once
@@ -54,6 +57,8 @@ def test_sigterm_and_sigint_drain_and_exit_0(tmp_path: Path) -> None:
         for srv in servers.values():
             wait_ready(srv)
         for sig, srv in servers.items():
+            fronts = srv.front_ends()
+            assert len(fronts) == (frontends if frontends > 1 else 0)
             results: list = []
             thread = _post_in_thread(srv, results)
             upload = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
@@ -71,6 +76,9 @@ def test_sigterm_and_sigint_drain_and_exit_0(tmp_path: Path) -> None:
             code = srv.stop(sig, timeout_s=LONG_S / 2)  # waits; signal already sent
             assert code == 0, srv.text()
             assert "dstack stopped" in srv.text()
+            # the front ends drained and exited with it, and none was restarted meanwhile
+            assert not [pid for pid in fronts if Path(f"/proc/{pid}").exists()]
+            assert "starting another" not in srv.text()
     finally:
         for srv in servers.values():
             srv.kill()
