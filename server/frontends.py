@@ -170,7 +170,6 @@ class Dispatch:
         self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
         self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
         self.version = version
-        self.links: set[_DispatchLink] = set()
         self.hello: asyncio.Queue[int] = asyncio.Queue()  # pids of front ends ready
 
     async def listen(self, path: Path) -> asyncio.AbstractServer:
@@ -185,12 +184,7 @@ class _DispatchLink(FrameReader):
         self.holds: dict[int, str] = {}  # request id -> model, held while its body is read
         self.tasks: set[asyncio.Task[None]] = set()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.d.links.add(self)
-
     def connection_lost(self, exc: Exception | None) -> None:
-        self.d.links.discard(self)
         for model in self.holds.values():  # the front end is gone: so are its bodies
             self._release(model)
         self.holds.clear()
@@ -254,7 +248,6 @@ class _DispatchLink(FrameReader):
         status = 500
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
-
         given = False
 
         async def receive() -> Message:
@@ -311,7 +304,7 @@ STOPPING = "the server is stopping"
 
 
 class Link(FrameReader):
-    """A front end's end of its link: `ask(meta, payload, waiter)` has `waiter` called with
+    """A front end's end of its link: `ask(meta, waiter, payload)` has `waiter` called with
     the dispatch process's answer to the request `meta["i"]`, `call` awaits it, `tell(meta)`
     wants none."""
 
@@ -413,9 +406,9 @@ LINK_ID = "dstack.link_id"
 
 
 class FrontEnd:
-    """The front end's ASGI app (inside `BodyLimits` and `BearerAuth`, outside them
-    `FrontEndRefusal`): infer requests' bodies go to the dispatch process as `b`, every
-    other request whole as `x`."""
+    """The front end's ASGI app (innermost: inside `BodyLimits`, `FrontEndRefusal` and
+    `BearerAuth`): infer requests' bodies go to the dispatch process as `b`, every other
+    request whole as `x`."""
 
     def __init__(self, link: Link, max_body_bytes: int) -> None:
         self.link = link
