@@ -822,8 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--policies", nargs="*", choices=list(MIX), default=list(MIX))
     p.add_argument("--frontends", type=int, nargs="+", default=[1],
-                   help="overload: each policy's server once per value of server.frontends "
-                        "(labelled POLICY+Nfe for N > 1), side by side")
+                   help="overload and refusal-cost: each server once per value of "
+                        "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")
