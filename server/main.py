@@ -197,7 +197,8 @@ class _Dispatching:
             runner.run(self._main(sockets[0]))
 
     async def _main(self, sock: socket.socket) -> None:
-        from server.frontends import Dispatch, FrontEnds
+        from server.frontends import FrontEnds
+        from server.link import Dispatch
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

@@ -1,4 +1,4 @@
-"""The link between a front end and the dispatch process (`server.frontends`): frames come
+"""The link between a front end and the dispatch process (`server.link`): frames come
 out whole and in order however the bytes are cut into reads, small ones many per read and
 big payloads straight into their own buffer."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from server.frontends import READ_BYTES, FrameReader, frame
+from server.link import READ_BYTES, FrameReader, frame
 
 
 class _Collect(FrameReader):

@@ -1,0 +1,342 @@
+"""The link between a front-end process and the dispatch process (`server.frontends`).
+
+One Unix stream socket per front end carries frames: an 8-byte head (the meta's and the
+payload's lengths), the meta as JSON, the payload; read in bulk (many small frames per
+read, a big payload straight into its own buffer). Per infer request, two round trips:
+
+- `h` (the header: model, version, first byte) -> `go` (admitted for now, its place in the
+  model's queue held while the body is read, as `server.early.HELD`) or `no` (the refusal:
+  status, message, rule, retry-after), answered by the front end exactly as the
+  one-process server answers it (`server.early.EarlyRefusal`);
+- `b` (the whole body as payload) -> `a` (status, headers; the answer as payload), from the
+  dispatch process's own infer endpoint (`server.app`), called with the body at once.
+
+While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`); a request
+that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
+Every other route goes whole as `x` and is answered by the dispatch process's app.
+`Dispatch` is the dispatch process's end, `Link` a front end's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.types import Message
+
+from dstack.common.errors import DStackError, Unavailable
+from server.connection import RECEIVED_AT
+from server.early import HELD
+
+log = logging.getLogger("dstack.server")
+
+#: A frame's head: the meta's length, the payload's length.
+HEAD = struct.Struct("<II")
+#: Bytes read from the link at once when no big payload is being filled.
+READ_BYTES = 1 << 16
+#: A link's send buffer: a body of a few MB goes in one write, and is read in one read. (At
+#: the default 208 KB, a 600 KB body took three turns of both loops, each waiting for the
+#: other: its time from first byte to the dispatch process grew from 1-15 to 20-35 ms
+#: under overload on an H100 host.)
+LINK_BUFFER_BYTES = 8 << 20
+#: Linux's SO_SNDBUFFORCE: past net.core.wmem_max, where the process may.
+_SO_SNDBUFFORCE = 32
+
+
+def frame(meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> list[Any]:
+    m = orjson.dumps(meta)
+    return [HEAD.pack(len(m), len(payload)), m, payload]
+
+
+class FrameReader(asyncio.BufferedProtocol):
+    """Reads frames in bulk: many small ones per read; a payload bigger than what is left of
+    the read buffer goes straight into its own bytearray. `on_frame(meta, payload)`."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray(READ_BYTES)
+        self._n = 0  # bytes of _buf holding unparsed data
+        self._meta: dict[str, Any] | None = None  # the frame whose payload is being filled
+        self._payload: bytearray | None = None
+        self._filled = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        for opt in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, LINK_BUFFER_BYTES)
+                break
+            except OSError:  # not allowed: the next one, else the default
+                continue
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload is not None:
+            return memoryview(self._payload)[self._filled:]
+        return memoryview(self._buf)[self._n:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._payload is not None:
+            self._filled += nbytes
+            if self._filled < len(self._payload):
+                return
+            meta, payload = self._meta, self._payload
+            self._meta = self._payload = None
+            self.on_frame(meta, payload)  # type: ignore[arg-type]
+            return
+        self._n += nbytes
+        buf, at, n = self._buf, 0, self._n
+        while n - at >= HEAD.size:
+            mlen, plen = HEAD.unpack_from(buf, at)
+            start = at + HEAD.size
+            if n - start < mlen:
+                break
+            meta = orjson.loads(memoryview(buf)[start:start + mlen])
+            start += mlen
+            have = n - start
+            if have >= plen:
+                payload = bytes(buf[start:start + plen]) if plen else b""
+                at = start + plen
+                self.on_frame(meta, payload)
+                continue
+            if HEAD.size + mlen + plen <= len(buf):  # the frame fits: read the rest first
+                break
+            self._meta, self._payload = meta, bytearray(plen)
+            self._payload[:have] = buf[start:n]
+            self._filled, at = have, n
+            break
+        if at:
+            buf[:n - at] = buf[at:n]
+            self._n = n - at
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        raise NotImplementedError
+
+    def send(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frame(meta, payload))
+
+
+# ---------------------------------------------------------------------- dispatch side
+
+
+def error_of(meta: dict[str, Any]) -> DStackError:
+    """The refusal a `no` carries, as the `DStackError` it was decided as."""
+    e = DStackError(meta["e"])
+    e.status_code = meta["s"]
+    e.reason = meta.get("why", "rejected")
+    e.rule = meta.get("r")
+    e.retry_after_s = meta.get("ra")
+    e.logged = True
+    return e
+
+
+def _refusal_meta(i: int, e: DStackError) -> dict[str, Any]:
+    return {"k": "no", "i": i, "s": e.status_code, "e": e.message, "r": e.rule,
+            "ra": e.retry_after_s, "why": e.reason}
+
+
+class Dispatch:
+    """The dispatch process's end of the links: `app` (the one-process server's app, built
+    by `server.main.build_app` without auth: the front ends check it) answers every
+    request; its runtime's `refuse_early` and `release` decide and hold at the header."""
+
+    def __init__(self, app: Any, runtime: Any, version: str) -> None:
+        self.app = app
+        self.infer = app.state.infer_endpoint
+        self.failed = app.state.metrics.failed
+        self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
+        self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
+        self.version = version
+        self.hello: asyncio.Queue[int] = asyncio.Queue()  # pids of front ends ready
+
+    async def listen(self, path: Path) -> asyncio.AbstractServer:
+        loop = asyncio.get_running_loop()
+        return await loop.create_unix_server(lambda: _DispatchLink(self), str(path))
+
+
+class _DispatchLink(FrameReader):
+    def __init__(self, dispatch: Dispatch) -> None:
+        super().__init__()
+        self.d = dispatch
+        self.holds: dict[int, str] = {}  # request id -> model, held while its body is read
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for model in self.holds.values():  # the front end is gone: so are its bodies
+            self._release(model)
+        self.holds.clear()
+
+    def _release(self, model: str) -> None:
+        if self.d.release is not None:
+            self.d.release(model)
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        k = meta["k"]
+        if k == "h":
+            self._header(meta)
+        elif k == "b" or k == "x":
+            t = asyncio.get_running_loop().create_task(self._answer(meta, payload))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+        elif k == "c":
+            self._check(meta)
+        elif k == "r":
+            model = self.holds.pop(meta["i"], None)
+            if model is not None:
+                self._release(model)
+        elif k == "hello":
+            self.d.hello.put_nowait(meta["pid"])
+
+    def _header(self, meta: dict[str, Any]) -> None:
+        i, model = meta["i"], meta["m"]
+        ask = self.d.refuse_early
+        if ask is None or meta.get("v") not in (None, self.d.version):
+            self.send({"k": "go", "i": i})  # the route answers it (404 for a wrong version)
+            return
+        try:
+            ask(model, hold=self.d.release is not None)
+        except DStackError as e:
+            if e.status_code == 404:  # the route answers it
+                self.send({"k": "go", "i": i})
+                return
+            self.d.failed(model, e, "header", meta["t"])
+            self.send(_refusal_meta(i, e))
+            return
+        if self.d.release is not None:
+            self.holds[i] = model
+        self.send({"k": "go", "i": i})
+
+    def _check(self, meta: dict[str, Any]) -> None:
+        i, model = meta["i"], meta["m"]
+        try:
+            if self.d.refuse_early is not None:
+                self.d.refuse_early(model, time.monotonic() - meta["t"])
+        except DStackError as e:
+            held = self.holds.pop(i, None)
+            if held is not None:
+                self._release(held)
+            self.d.failed(model, e, "body", meta["t"])
+            self.send(_refusal_meta(i, e))
+            return
+        self.send({"k": "go", "i": i})
+
+    async def _answer(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        i = meta["i"]
+        status = 500
+        headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+        given = False
+
+        async def receive() -> Message:
+            nonlocal given
+            if given:  # as a connection still open: nothing more to read
+                await asyncio.get_running_loop().create_future()
+            given = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+
+        async def send(msg: Message) -> None:
+            nonlocal status, headers
+            if msg["type"] == "http.response.start":
+                status, headers = msg["status"], list(msg.get("headers", ()))
+            elif msg["type"] == "http.response.body":
+                chunks.append(msg.get("body", b""))
+
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": meta.get("M", "POST"), "scheme": "http", "path": meta["p"],
+            "raw_path": meta["p"].encode(), "query_string": meta.get("q", "").encode(),
+            "root_path": "", "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                                         for k, v in meta.get("H", ())],
+            "client": None, "server": None, "state": {}, RECEIVED_AT: meta.get("t"),
+        }
+        held = self.holds.pop(i, None)
+        try:
+            if meta["k"] == "b":
+                if held is not None:
+                    scope[HELD] = held
+                await self.d.infer(scope, receive, send, meta["m"], meta.get("v"))
+            else:
+                await self.d.app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - the endpoint answers its own; this is a bug
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            status, headers, chunks = 500, [], [b'{"error":"internal error"}']
+        finally:
+            left = scope.pop(HELD, None)
+            if left is not None:
+                self._release(left)
+        self.send({"k": "a", "i": i, "s": status,
+                   "H": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                         if k != b"content-length"]},
+                  chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+# ---------------------------------------------------------------------- a front end's end
+
+
+#: What waits for the dispatch process's answer to one request: called with the answer's
+#: meta and payload, or (None, b"") when the link is gone.
+Waiter = Callable[[dict[str, Any] | None, bytes], None]
+
+STOPPING = "the server is stopping"
+
+
+class Link(FrameReader):
+    """A front end's end of its link: `ask(meta, waiter, payload)` has `waiter` called with
+    the dispatch process's answer to the request `meta["i"]`, `call` awaits it, `tell(meta)`
+    wants none."""
+
+    def __init__(self, on_lost: Callable[[], None]) -> None:
+        super().__init__()
+        self.ids = itertools.count(1)
+        self.waiting: dict[int, Waiter] = {}
+        self.on_lost = on_lost
+
+    def ask(self, meta: dict[str, Any], waiter: Waiter,
+            payload: bytes | bytearray | memoryview = b"") -> bool:
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self.waiting[meta["i"]] = waiter
+        self.send(meta, payload)
+        return True
+
+    def call(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b""
+             ) -> Awaitable[tuple[dict[str, Any], bytes]]:
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = (
+            asyncio.get_running_loop().create_future())
+
+        def answered(reply: dict[str, Any] | None, out: bytes) -> None:
+            if fut.done():
+                return
+            if reply is None:
+                fut.set_exception(Unavailable(STOPPING))
+            else:
+                fut.set_result((reply, out))
+
+        if not self.ask(meta, answered, payload):
+            raise Unavailable(STOPPING)
+        return fut
+
+    tell = FrameReader.send
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        waiter = self.waiting.pop(meta["i"], None)
+        if waiter is not None:
+            try:
+                waiter(meta, payload)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - one request's bug must not cut the link
+                log.exception("unhandled error answering request %s", meta["i"])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        waiting, self.waiting = self.waiting, {}
+        for waiter in waiting.values():
+            waiter(None, b"")
+        self.on_lost()
