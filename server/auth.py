@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -50,6 +50,16 @@ def has_token(headers: Iterable[tuple[bytes, bytes]], token: bytes) -> bool:
     case-insensitive (RFC 9110); the token is compared in constant time."""
     sent = next((v for k, v in headers if k == b"authorization"), b"")
     return sent[:7].lower() == b"bearer " and hmac.compare_digest(sent[7:].strip(), token)
+
+
+def header_allows(token: str | None, open_paths: Iterable[str]
+                  ) -> Callable[[str, list[tuple[bytes, bytes]]], bool] | None:
+    """For a check made from a request's header (path, headers): whether the request may
+    go on as BearerAuth would let it; None when no token is wanted."""
+    if token is None:
+        return None
+    secret, opened = token.encode(), tuple(open_paths)
+    return lambda path, headers: is_open(path, opened) or has_token(headers, secret)
 
 
 class BearerAuth:

@@ -151,7 +151,8 @@ def serve_cluster(cfg: ClusterConfig, *, host: str | None = None, port: int | No
     loopback_ray_env(cfg)  # before Ray is imported
     from dstack.cluster.planning import ClusterPlanner
     from dstack.cluster.serving import RayDeployer, start_ray, stop_ray
-    from server.main import _Serving, bind, server_config
+    from server.connection import server_config
+    from server.main import _Serving, bind
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     host = host or cfg.server.host

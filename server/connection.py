@@ -49,12 +49,15 @@ from http import HTTPStatus
 from typing import Any, ClassVar
 
 import httptools
+import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 
+from dstack.common.config import ServerConfig
 from server.memory import unfilled_bytes
 
 log = logging.getLogger("dstack.server")
@@ -817,3 +820,26 @@ class SizedReads(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._protocol.resume_writing()
+
+
+def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
+                  log_level: str | None = None,
+                  header_check: HeaderCheck | None = None) -> uvicorn.Config:
+    """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files; its
+    connections answer refusals from the header with `header_check`, by default
+    `app.state.header_refusal` (set by `server.main.build_app`)."""
+    cfg = cfg or ServerConfig()
+    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
+                              drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
+    if header_check is None:
+        header_check = getattr(getattr(app, "state", None), "header_refusal", None)
+    return uvicorn.Config(
+        app,
+        # a BufferedProtocol, which uvicorn's annotation (asyncio.Protocol) leaves out
+        http=LimitedHttpToolsProtocol.with_limits(limits, header_check),  # type: ignore[arg-type]
+        log_level=log_level or cfg.log_level,
+        access_log=False,  # one log line per request would cost more than decoding it
+        timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
+        ssl_certfile=cfg.tls_certfile,
+        ssl_keyfile=cfg.tls_keyfile,
+    )

@@ -297,10 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     from dstack.common.config import load_config
     from dstack.common.pauses import freeze_startup_objects
     from dstack.common.slices import pin_threads
-    from server.auth import BearerAuth, has_token, is_open, load_token
-    from server.connection import LimitedHttpToolsProtocol, raise_fd_limit
+    from server.auth import BearerAuth, header_allows, load_token
+    from server.connection import raise_fd_limit, server_config
     from server.limits import BodyLimits
-    from server.main import connection_limits, server_config
 
     p = argparse.ArgumentParser(prog="python -m server.frontends")
     p.add_argument("--config", required=True)
@@ -331,15 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     if token is not None:
         app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
                          drain_bytes=s.max_body_bytes)
-    config = server_config(app, s)  # type: ignore[arg-type]
+    config = server_config(app, s, header_check=LinkHeaderCheck(
+        link, max_body_bytes=s.max_body_bytes, allowed=header_allows(token, s.auth_open_paths)))
     config.lifespan = "off"
-    open_paths = tuple(s.auth_open_paths)
-    secret = None if token is None else token.encode()
-    config.http = LimitedHttpToolsProtocol.with_limits(  # type: ignore[assignment]
-        connection_limits(s), LinkHeaderCheck(
-            link, max_body_bytes=s.max_body_bytes,
-            allowed=None if secret is None else lambda path, headers: (
-                is_open(path, open_paths) or has_token(headers, secret))))
 
     class _FrontEndServer(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

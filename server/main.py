@@ -25,15 +25,14 @@ from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
-from starlette.types import ASGIApp
 
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, load_config
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
 from server.app import MODEL_VERSION, create_app
-from server.auth import BearerAuth, has_token, is_open, load_token
-from server.connection import ConnectionLimits, LimitedHttpToolsProtocol, raise_fd_limit
+from server.auth import BearerAuth, header_allows, load_token
+from server.connection import raise_fd_limit, server_config
 from server.early import EarlyRefusal, HeaderRefusal
 from server.limits import BodyBudget, BodyLimits
 from server.memory import steady_server_heap
@@ -77,15 +76,11 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
                            failed=app.state.metrics.failed, version=MODEL_VERSION,
                            drain_bytes=s.max_body_bytes, release=release)
-        token = None if auth_token is None else auth_token.encode()
-        open_paths = tuple(s.auth_open_paths)
         # asked by the connection itself (server_config), before any task or app runs
         app.state.header_refusal = HeaderRefusal(
             refuse_early=refuse_early, failed=app.state.metrics.failed,
             version=MODEL_VERSION, max_body_bytes=s.max_body_bytes,
-            allowed=None if token is None else lambda path, headers: (
-                is_open(path, open_paths) or has_token(headers, token)),
-            hold=release is not None)
+            allowed=header_allows(auth_token, s.auth_open_paths), hold=release is not None)
     if auth_token is not None:  # outermost: no body is read for a request without the token
         app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
                            drain_bytes=s.max_body_bytes)
@@ -107,29 +102,6 @@ def bind(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
-
-
-def connection_limits(cfg: ServerConfig) -> ConnectionLimits:
-    return ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
-                            drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
-
-
-def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
-                  log_level: str | None = None) -> uvicorn.Config:
-    """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files; its connections
-    answer refusals from the header with `app.state.header_refusal` (set by build_app)."""
-    cfg = cfg or ServerConfig()
-    return uvicorn.Config(
-        app,
-        # a BufferedProtocol, which uvicorn's annotation (asyncio.Protocol) leaves out
-        http=LimitedHttpToolsProtocol.with_limits(  # type: ignore[arg-type]
-            connection_limits(cfg), getattr(getattr(app, "state", None), "header_refusal", None)),
-        log_level=log_level or cfg.log_level,
-        access_log=False,  # one log line per request would cost more than decoding it
-        timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
-        ssl_certfile=cfg.tls_certfile,
-        ssl_keyfile=cfg.tls_keyfile,
-    )
 
 
 def make_server(app: FastAPI, cfg: ServerConfig | None = None, *,
