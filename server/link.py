@@ -19,6 +19,7 @@ Every other route goes whole as `x` and is answered by the dispatch process's ap
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
@@ -56,7 +57,7 @@ def frame(meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -
     return [HEAD.pack(len(m), len(payload)), m, payload]
 
 
-class FrameReader(asyncio.BufferedProtocol):
+class FrameReader(asyncio.BufferedProtocol, abc.ABC):
     """Reads frames in bulk: many small ones per read; a payload bigger than what is left of
     the read buffer goes straight into its own bytearray. `on_frame(meta, payload)`."""
 
@@ -117,8 +118,9 @@ class FrameReader(asyncio.BufferedProtocol):
             buf[:n - at] = buf[at:n]
             self._n = n - at
 
+    @abc.abstractmethod
     def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
-        raise NotImplementedError
+        """One whole frame (`payload` is the reader's to keep)."""
 
     def send(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> None:
         if self.transport is not None and not self.transport.is_closing():
