@@ -250,9 +250,9 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         if cfg.server.frontends > 1:  # the front ends check the token
             app = build_app(cfg, runtime, start_runtime=False)
             # the front ends on the cores the server's own process leaves, if it was given any
-            rest = tuple(c for c in host_cores if c not in (cfg.server.cores or ())) or None
-            server: _Serving | _Dispatching = _Dispatching(
-                app, runtime, cfg, Path(config_path), rest if cfg.server.cores else None, ready)
+            pinned = cfg.server.cores
+            rest = (tuple(c for c in host_cores if c not in pinned) or None) if pinned else None
+            server = _Dispatching(app, runtime, cfg, Path(config_path), rest, ready)
         else:
             app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
             server = _Serving(server_config(app, cfg.server), runtime, ready)
@@ -294,7 +294,7 @@ def _pin_front_end(cfg: ServerConfig) -> None:
         raise StartupError(f"server.cores: {missing} not among the cores this process may use "
                            f"({list(have)})")
     pin_threads(cfg.cores)
-    log.info("front end on cores %s", sorted(set(cfg.cores)))
+    log.info("the server's own process on cores %s", sorted(set(cfg.cores)))
 
 
 def _warn_if_exposed(address: str, token: str | None) -> None:
