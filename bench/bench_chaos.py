@@ -295,7 +295,9 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "admission_ms": _median_terms(lv.terms[x]),
                          "server_loop": lv.server_late[x].summary(),
                          "load_generator_loop": lv.client_late[x].summary(),
-                         "server_refusals": refusal_summary(lv.refusals[x])}
+                         "server_refusals": refusal_summary(lv.refusals[x]),
+                         "late_in_server": t.late_in_server,
+                         "outside_server_p50_p99_ms": outside_server(t)}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
                     one = lv.per_model[1].get(m, 0)
@@ -314,6 +316,14 @@ def overload(args: argparse.Namespace) -> list[Row]:
                 rows.append(row(f"overload {policy} {_label(x)} ({args.reps} x "
                                 f"{args.overload_seconds:g} s)", t, lv.srv.pid, **extra))
         return rows
+
+
+def outside_server(t: cl.Tally) -> dict[str, tuple[float, float]]:
+    """The p50 and p99 of the time (ms) the load generator waited beyond the server's own
+    time (Server-Timing) for answers and for refusals: before the server read the first
+    byte, on the way back, and in the client."""
+    return {k: (round(cl.pct(v, 50), 1), round(cl.pct(v, 99), 1))
+            for k, v in (("answers", t.outside_ms), ("refusals", t.refusal_outside_ms)) if v}
 
 
 def _median_terms(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -379,8 +389,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
           f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
           f"generator's {client_late.summary()}; server's refusals "
-          f"{refusal_summary(refused)}; answered late: {cl.format_late(res, lv.slos)}",
-          flush=True)
+          f"{refusal_summary(refused)}; answered late: {cl.format_late(res, lv.slos)}; "
+          f"time outside the server's p50 / p99 (ms): {outside_server(t)}", flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
@@ -792,7 +802,10 @@ def notes(rows: list[Row]) -> str:
                        f"cores used {r['cores_used']}, "
                        f"server's loop {r['server_loop']}, load generator's "
                        f"{r['load_generator_loop']}, "
-                       f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%), "
+                       f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%; "
+                       f"of the {r['late']} late, {r['late_in_server']} late on the "
+                       "server's clock), time outside the server's (Server-Timing) p50 / "
+                       f"p99 {r['outside_server_p50_p99_ms']}, "
                        f"refusal p50 / p99 {r['refusal_p50_ms']:.1f} / {r['refusal_p99_ms']:.1f}"
                        " ms (p99 < 5); by reason (p50, p99): "
                        + ", ".join(f"{k} {v[0]:g} / {v[1]:g}"

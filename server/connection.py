@@ -204,23 +204,34 @@ class _Whole:
         self.asked = False  # the app has asked for it
 
 
+def server_timing(received_at: float) -> bytes:
+    """The `Server-Timing` header's value (W3C Server Timing, the `total` metric): the ms
+    from the request's first byte (RECEIVED_AT) to its answer being written, on the
+    server's clock. What a client measures beyond it was spent outside the server's
+    handling: before the server read the first byte, on the way back, or in the client."""
+    return b"total;dur=%.2f" % (1000 * (time.monotonic() - received_at))
+
+
 class _HeadWithBody:
     """The transport as a request's cycle sees it: uvicorn writes an answer's header and
     its body in two writes, each a send to the socket; the header is held here and sent
-    with the body's first write (or when the cycle closes the connection). Not for an
-    answer to HEAD, which has no body to write."""
+    with the body's first write (or when the cycle closes the connection), with
+    `Server-Timing` added as it is held. Not for an answer to HEAD, which has no body to
+    write."""
 
-    __slots__ = ("_transport", "_head", "_fresh")
+    __slots__ = ("_transport", "_head", "_fresh", "_received_at")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, received_at: float) -> None:
         self._transport = transport
         self._head: bytes | None = None
         self._fresh = True  # nothing of the answer written yet
+        self._received_at = received_at
 
     def write(self, data: bytes) -> None:
         if self._fresh and not data.startswith(b"HTTP/1.1 100 "):  # not `100 Continue`
-            self._fresh = False
-            self._head = data
+            self._fresh = False  # the head, ending in an empty line
+            self._head = b"%sserver-timing: %s\r\n\r\n" % (
+                data[:-2], server_timing(self._received_at))
             return
         head, self._head = self._head, None
         self._transport.write(data if head is None else head + data)
@@ -380,7 +391,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not started and self.scope["method"] != "HEAD":  # a body follows
-            cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment]
+            cycle.transport = _HeadWithBody(  # type: ignore[assignment]
+                self.transport, self.scope[RECEIVED_AT])  # type: ignore[literal-required]
             if (not self.pipeline and not self.expect_100_continue
                     and 0 < self._body_left <= WHOLE_BODY_BYTES):
                 self._read_whole(cycle)
@@ -521,7 +533,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._close_after = not self.parser.should_keep_alive()
         head = [STATUS_LINE[status]]
         for name, value in [*self.server_state.default_headers, *headers,
-                            (b"content-length", str(len(body)).encode())]:
+                            (b"content-length", str(len(body)).encode()),
+                            (b"server-timing", server_timing(
+                                self.scope[RECEIVED_AT]))]:  # type: ignore[literal-required]
             head += [name, b": ", value, b"\r\n"]
         if self._close_after:
             head.append(b"connection: close\r\n")

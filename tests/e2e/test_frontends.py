@@ -147,6 +147,7 @@ def test_refusals_through_front_ends_match_one_process_and_are_counted_once(
             answers = list(pool.map(lambda _: _post(servers[2], _infer_json()), range(sent)))
         assert [shape(a) for a in answers] == [want] * sent
         assert all("SLO" in a[1]["error"] for a in answers)
+        assert all(a[2]["server-timing"].startswith("total;dur=") for a in answers)
 
         text = _get_text(servers[2], "/metrics")
         header = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",

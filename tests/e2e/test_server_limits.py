@@ -1,5 +1,6 @@
-"""Read timeouts, body size and budget limits and bearer auth, each checked against a real
-`dstack serve` process (docs/reliability.md). The connection cap: test_connection_cap.py."""
+"""Read timeouts, body size and budget limits, bearer auth and answers' Server-Timing, each
+checked against a real `dstack serve` process (docs/reliability.md). The connection cap:
+test_connection_cap.py."""
 
 from __future__ import annotations
 
@@ -227,3 +228,23 @@ def test_tritonclient_with_the_token(srv: ServerProcess) -> None:
         client.infer("tiny_cnn", [inp])
     client.close()
 
+
+
+def _server_ms(headers: dict) -> float:
+    """The `Server-Timing: total;dur=<ms>` of an answer."""
+    value = {k.lower(): v for k, v in headers.items()}["server-timing"]
+    name, dur = value.split(";")
+    assert name == "total" and dur.startswith("dur="), value
+    return float(dur[4:])
+
+
+def test_answers_say_in_server_timing_how_long_the_server_took(srv: ServerProcess) -> None:
+    # an answer, a refusal by the app (401) and one from the header (413, never read)
+    for body, headers, want in ((_infer_json(), {}, 200),
+                                (_infer_json(), {"Authorization": "Bearer no"}, 401),
+                                (b"x" * (MAX_BODY + 1), {}, 413)):
+        t0 = time.perf_counter()
+        status, _, got = _post(srv, body, headers)
+        client_ms = 1000 * (time.perf_counter() - t0)
+        assert status == want
+        assert 0 <= _server_ms(got) <= client_ms, (status, got)
