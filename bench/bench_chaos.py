@@ -64,6 +64,7 @@ from bench.servers import (
     ROOT,
     Server,
     front_ends,
+    frontends_loop_late,
     get_json,
     loop_late,
     refusal_summary,
@@ -224,6 +225,8 @@ class _Levels:
         default_factory=lambda: {x: Lateness() for x in _KEYS})
     client_late: dict[int | str, Lateness] = field(
         default_factory=lambda: {x: Lateness() for x in _KEYS})
+    frontends_late: dict[int | str, Lateness] = field(  # with server.frontends > 1
+        default_factory=lambda: {x: Lateness() for x in _KEYS})
     # the server's refusals by where they were decided, timed from the first byte
     refusals: dict[int | str, dict[str, Lateness]] = field(
         default_factory=lambda: {x: {} for x in _KEYS})
@@ -295,6 +298,8 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "admission_ms": _median_terms(lv.terms[x]),
                          "server_loop": lv.server_late[x].summary(),
                          "load_generator_loop": lv.client_late[x].summary(),
+                         **({"front_ends_loops": lv.frontends_late[x].summary()}
+                            if lv.frontends_late[x].count else {}),
                          "server_refusals": refusal_summary(lv.refusals[x]),
                          "late_in_server": t.late_in_server,
                          "outside_server_p50_p99_ms": outside_server(t)}
@@ -354,6 +359,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
+    fe_late0 = frontends_loop_late(lv.srv.host)
     t0 = time.monotonic()
     load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                 seed=100 * rep + _times(x), procs=LOAD_PROCS)
@@ -364,6 +370,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     server_late = loop_late(lv.srv.host).since(late0)
     lv.server_late[x].merge(server_late)
     lv.client_late[x].merge(client_late)
+    fe_late = frontends_loop_late(lv.srv.host).since(fe_late0)
+    lv.frontends_late[x].merge(fe_late)
     refused = refusals_since(refusal_times(lv.srv.host), refused0)
     for stage, times in refused.items():
         lv.refusals[x].setdefault(stage, Lateness()).merge(times)
@@ -388,7 +396,9 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
           f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
           f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
-          f"generator's {client_late.summary()}; server's refusals "
+          f"generator's {client_late.summary()}; "
+          + (f"front ends' {fe_late.summary()}; " if fe_late.count else "")
+          + "server's refusals "
           f"{refusal_summary(refused)}; answered late: {cl.format_late(res, lv.slos)}; "
           f"time outside the server's p50 / p99 (ms): {outside_server(t)}", flush=True)
 
@@ -802,7 +812,9 @@ def notes(rows: list[Row]) -> str:
                        f"cores used {r['cores_used']}, "
                        f"server's loop {r['server_loop']}, load generator's "
                        f"{r['load_generator_loop']}, "
-                       f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%; "
+                       + (f"front ends' {r['front_ends_loops']}, "
+                          if "front_ends_loops" in r else "")
+                       + f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%; "
                        f"of the {r['late']} late, {r['late_in_server']} late on the "
                        "server's clock), time outside the server's (Server-Timing) p50 / "
                        f"p99 {r['outside_server_p50_p99_ms']}, "

@@ -26,7 +26,7 @@ from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire
 from bench.lean_http import LeanClient
 from bench.loads import one_item_body
 from bench.servers import admission_terms, get_json
-from dstack.common.pauses import Lateness
+from dstack.common.pauses import Lateness, count_lateness
 
 
 @dataclass
@@ -249,13 +249,8 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
             t1 = time.perf_counter()
             t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
 
-    async def tick(late: Lateness) -> None:  # as the server's is (`Runtime.loop_late`)
-        while True:
-            due = time.perf_counter() + 0.01
-            await asyncio.sleep(0.01)
-            late.add(max(0.0, time.perf_counter() - due))
-
-    ticker = asyncio.create_task(tick(loop_late)) if loop_late is not None else None
+    # as the server's is (`Runtime.loop_late`)
+    ticker = asyncio.create_task(count_lateness(loop_late)) if loop_late is not None else None
     try:
         arrivals: list[tuple[float, str]] = []
         for m, rate in rates.items():

@@ -153,6 +153,12 @@ def loop_late(host: str) -> Lateness:
     return histogram_counts(_metrics(host), "dstack_event_loop_late_seconds")
 
 
+def frontends_loop_late(host: str) -> Lateness:
+    """The front ends' `dstack_frontend_loop_late_seconds` (/metrics), all together: how late
+    each tick of their loops' 10 ms timers fired (no counts without front ends)."""
+    return histogram_counts(_metrics(host), "dstack_frontend_loop_late_seconds")
+
+
 def refusal_times(host: str) -> dict[str, Lateness]:
     """The server's `dstack_refusal_seconds` (/metrics), every model's together, by stage:
     how long each refusal took from the request's first byte, decided from its header

@@ -31,6 +31,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, Unavailable
+from dstack.common.pauses import Lateness, count_lateness
 from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
 from server.early import INFER_PATH, TooLate, checked_as_it_arrives
@@ -226,6 +227,22 @@ class SharedBodyBudget(BodyBudget):
         self._add(-n)
 
 
+async def report_lateness(link: Link, every_s: float = 1.0) -> None:
+    """Count how late this front end's loop timer fires (as the dispatch process counts its
+    own) and tell the dispatch process each `every_s` what was counted meanwhile (`late`),
+    for /metrics' `dstack_frontend_loop_late_seconds`."""
+    late, told = Lateness(), Lateness()
+    ticking = asyncio.create_task(count_lateness(late))
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            new = late.since(told)
+            told.merge(new)
+            link.tell({"k": "late", "i": 0, "c": new.counts, "s": new.sum_s})
+    finally:
+        ticking.cancel()
+
+
 # ---------------------------------------------------------------------- processes
 
 
@@ -341,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             await super().startup(sockets)
             freeze_startup_objects()
             link.tell({"k": "hello", "i": 0, "pid": os.getpid()})
+            self.late_task = loop.create_task(report_lateness(link))
 
     server = _FrontEndServer(config)
     server.run(sockets=[sock])

@@ -13,7 +13,8 @@ read, a big payload straight into its own buffer). Per infer request, two round 
 
 While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`); a request
 that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
-Every other route goes whole as `x` and is answered by the dispatch process's app.
+Every other route goes whole as `x` and is answered by the dispatch process's app. Each
+second a front end tells how late its loop's timer fired meanwhile (`late`, for /metrics).
 `Dispatch` is the dispatch process's end, `Link` a front end's.
 """
 
@@ -34,6 +35,7 @@ import orjson
 from starlette.types import Message
 
 from dstack.common.errors import DStackError, Unavailable
+from dstack.common.pauses import Lateness
 from server.connection import RECEIVED_AT
 from server.early import HELD
 
@@ -155,6 +157,7 @@ class Dispatch:
         self.app = app
         self.infer = app.state.infer_endpoint
         self.failed = app.state.metrics.failed
+        self.late = app.state.metrics.frontends_late = Lateness()  # the front ends' loops
         self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
         self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
         self.version = version
@@ -195,6 +198,10 @@ class _DispatchLink(FrameReader):
             model = self.holds.pop(meta["i"], None)
             if model is not None:
                 self._release(model)
+        elif k == "late":
+            told = Lateness()
+            told.counts, told.sum_s = meta["c"], meta["s"]
+            self.d.late.merge(told)
         elif k == "hello":
             self.d.hello.put_nowait(meta["pid"])
 

@@ -251,15 +251,36 @@ class BackendCollector(Collector):
                 value=lag)
         late: Lateness | None = getattr(b, "loop_late", None)
         if late is not None:
-            cumulative, buckets = 0, []
-            for bound, n in zip((*LATE_BOUNDS_S, math.inf), late.counts, strict=True):
-                cumulative += n
-                buckets.append((floatToGoString(bound), cumulative))
-            yield HistogramMetricFamily(
+            yield lateness_histogram(
                 "dstack_event_loop_late_seconds",
                 "How late each tick of the server's 10 ms loop timer fired: a tick more than "
                 "a few ms late is the loop held up, and every request it had then with it",
-                buckets=buckets, sum_value=late.sum_s)
+                late)
+
+
+def lateness_histogram(name: str, documentation: str, late: Lateness) -> HistogramMetricFamily:
+    """`late`'s counts as a Prometheus histogram on LATE_BOUNDS_S."""
+    cumulative, buckets = 0, []
+    for bound, n in zip((*LATE_BOUNDS_S, math.inf), late.counts, strict=True):
+        cumulative += n
+        buckets.append((floatToGoString(bound), cumulative))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=late.sum_s)
+
+
+class _FrontEndsLate(Collector):
+    """The front ends' loop timers (`server.frontends`), as they report them; nothing
+    without front ends."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        late = self.metrics.frontends_late
+        if late is not None:
+            yield lateness_histogram(
+                "dstack_frontend_loop_late_seconds",
+                "How late each tick of the front-end processes' 10 ms loop timers fired, all "
+                "front ends together (server.frontends > 1; reported once a second)", late)
 
 
 _UNSUFFIXED = (
@@ -291,6 +312,9 @@ class Metrics:
             "had been read (stage=body)",
             ["model", "stage"], buckets=LATE_BOUNDS_S, registry=self.registry)
         self._refusals_timed: dict[tuple[str, str], Any] = {}
+        #: The front ends' loop lateness, added up as they report it (`server.link`).
+        self.frontends_late: Lateness | None = None
+        self.registry.register(_FrontEndsLate(self))
 
     def failed(self, model: str, e: DStackError, stage: str,
                received_at: float | None = None) -> None:

@@ -23,8 +23,10 @@ told apart as the server's loop held up, or the client's.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import gc
+import time
 
 #: The bounds, in seconds, a timer's lateness is counted under (`Lateness`).
 LATE_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -99,3 +101,11 @@ def freeze_startup_objects() -> int:
 
 
 __all__ = ["LATE_BOUNDS_S", "Lateness", "freeze_startup_objects"]
+
+
+async def count_lateness(late: Lateness, tick_s: float = 0.01) -> None:
+    """For ever: sleep `tick_s` on the running loop and count in `late` how late it woke."""
+    while True:
+        due = time.monotonic() + tick_s
+        await asyncio.sleep(tick_s)
+        late.add(max(0.0, time.monotonic() - due))

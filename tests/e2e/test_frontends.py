@@ -122,6 +122,18 @@ def test_every_route_answers_through_the_front_ends(srv: ServerProcess) -> None:
     assert len(_front_ends(srv)) == 2
 
 
+def test_the_front_ends_loop_lateness_is_in_metrics(srv: ServerProcess) -> None:
+    # each front end ticks a 10 ms timer and reports its counts each second
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        late = histogram_counts(_get_text(srv, "/metrics"), "dstack_frontend_loop_late_seconds")
+        if late.count >= 2 * 50:  # two front ends, half a second's ticks each at least
+            break
+        time.sleep(0.2)
+    assert late.count >= 2 * 50
+    assert late.sum_s >= 0
+
+
 def test_refusals_through_front_ends_match_one_process_and_are_counted_once(
         tmp_path: Path) -> None:
     # An SLO of 1 µs: no request can be queued in time, so each is refused from its header.
