@@ -100,12 +100,12 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-__all__ = ["LATE_BOUNDS_S", "Lateness", "freeze_startup_objects"]
-
-
 async def count_lateness(late: Lateness, tick_s: float = 0.01) -> None:
     """For ever: sleep `tick_s` on the running loop and count in `late` how late it woke."""
     while True:
         due = time.monotonic() + tick_s
         await asyncio.sleep(tick_s)
         late.add(max(0.0, time.monotonic() - due))
+
+
+__all__ = ["LATE_BOUNDS_S", "Lateness", "count_lateness", "freeze_startup_objects"]
