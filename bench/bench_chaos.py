@@ -27,7 +27,9 @@ Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
 - SIGTERM under load: exit code; every request answered, refused or turned away at
   connect, none hung;
 - the fuzzer (bench/fuzz_requests.py): 100,000 cases on raw sockets: 0 5xx, memory flat;
-- refusal cost: the server's CPU per request refused from its header (600 KB bodies).
+- refusal cost: the server's CPU per request refused from its header (600 KB bodies);
+- accept cost: the server's CPU per request answered, a model of next to no compute
+  (600 KB bodies); with front ends, the dispatch process's and the front ends'.
 
 The load generator shares the machine (2 cores here): client-side figures include its own
 scheduling delays, and what it costs is taken from the workers. It sends with a lean
@@ -561,30 +563,55 @@ def refusal_cost(args: argparse.Namespace) -> list[Row]:
     body each) sent back to back on 8 kept-alive connections. The server's CPU per
     request, user and kernel, from /proc; with front ends (`--frontends`), the dispatch
     process's (`server_*`) and the front ends' together (`frontends_us`)."""
-    return [_refusal_cost(args, n) for n in args.frontends]
+    out = []
+    for n in args.frontends:
+        cfg = config("dstack", f"refusal-cost-{n}", {"frontends": n} if n > 1 else None)
+        spec = yaml.safe_load(cfg.read_text())
+        for m in spec["models"]:
+            m["slo_ms"], m["max_queue_delay_ms"] = 1, 0.5
+        cfg.write_text(yaml.safe_dump(spec))
+        out.append(_server_cost(cfg, "resnet18", args.refusal_requests,
+                                "refusal cost (resnet18, 600 KB bodies", n))
+    return out
 
 
-def _refusal_cost(args: argparse.Namespace, frontends: int) -> Row:
-    server = {"frontends": frontends} if frontends > 1 else None
-    cfg = config("dstack", f"refusal-cost-{frontends}", server)
-    spec = yaml.safe_load(cfg.read_text())
-    for m in spec["models"]:
-        m["slo_ms"], m["max_queue_delay_ms"] = 1, 0.5
-    cfg.write_text(yaml.safe_dump(spec))
-    n, conns = args.refusal_requests, 8
-    with serving(cfg, OUT / f"refusal-cost-{frontends}.log") as srv:
-        meta = get_json(f"{srv.host}/v2/models/resnet18")
+def accept_cost(args: argparse.Namespace) -> list[Row]:
+    """What an answered request costs the server's processes, the worker's compute aside:
+    one model of next to no compute on the same 600 KB input (`pool_linear`,
+    `bench.frontend_cost.RUNTIME_CONFIG`: policy `shared`, SLO 1 s), `--accept-requests`
+    one-item requests sent back to back on 8 kept-alive connections, every one answered.
+    With front ends (`--frontends`): how much of it the dispatch process still spends
+    (`server_*`) and what the front ends spend (`frontends_us`)."""
+    from bench.frontend_cost import RUNTIME_CONFIG
+
+    out = []
+    for n in args.frontends:
+        cfg = OUT / f"accept-cost-{n}.yaml"
+        cfg.write_text(yaml.safe_dump({**RUNTIME_CONFIG,
+                                       **({"server": {"frontends": n}} if n > 1 else {})}))
+        out.append(_server_cost(cfg, "image", args.accept_requests,
+                                "accept cost (pool_linear, 600 KB bodies", n))
+    return out
+
+
+def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> Row:
+    """`n` one-item requests of `model` back to back on 8 kept-alive connections to a
+    server of `cfg`: its processes' CPU per request."""
+    conns = 8
+    name = cfg.stem
+    with serving(cfg, OUT / f"{name}.log") as srv:
+        meta = get_json(f"{srv.host}/v2/models/{model}")
         tally = cl.Tally()
 
         async def send(client: LeanClient, req: bytes, k: int) -> None:
             for _ in range(k):
                 t0 = time.perf_counter()
                 status, body, headers = await client.send(req, 10)
-                tally.record(status, body, headers, (time.perf_counter() - t0) * 1000, 1)
+                tally.record(status, body, headers, (time.perf_counter() - t0) * 1000, 1e9)
 
         async def all_of(k: int) -> None:
             client = LeanClient(srv.host)
-            req = client.post("/v2/models/resnet18/infer", *one_item_body(meta))
+            req = client.post(f"/v2/models/{model}/infer", *one_item_body(meta))
             try:
                 await asyncio.gather(*(send(client, req, k // conns) for _ in range(conns)))
             finally:
@@ -601,7 +628,7 @@ def _refusal_cost(args: argparse.Namespace, frontends: int) -> Row:
         user1, sys1 = cl.cpu_user_sys_s(srv.pid)
         front1 = sum(sum(cl.cpu_user_sys_s(p)) for p in fronts)
         where = f", {frontends} front ends" if frontends > 1 else ""
-        return row(f"refusal cost (resnet18, 600 KB bodies{where})", tally, srv.pid,
+        return row(f"{label}{where})", tally, srv.pid,
                    per_s=tally.sent / wall, server_user_us=1e6 * (user1 - user0) / tally.sent,
                    server_kernel_us=1e6 * (sys1 - sys0) / tally.sent,
                    **({"frontends_us": 1e6 * (front1 - front0) / tally.sent} if fronts else {}))
@@ -838,7 +865,7 @@ def _interrupt(sig: int, _: Any) -> None:
 
 
 SCENARIOS = ("overload", "kill", "bodies", "slowloris", "stalled", "sigterm", "fuzz",
-             "refusal-cost")
+             "refusal-cost", "accept-cost")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -847,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--policies", nargs="*", choices=list(MIX), default=list(MIX))
     p.add_argument("--frontends", type=int, nargs="+", default=[1],
-                   help="overload and refusal-cost: each server once per value of "
+                   help="overload, refusal-cost, accept-cost: each server once per value of "
                         "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
@@ -881,6 +908,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stalled", type=int, default=50)
     p.add_argument("--fuzz", type=int, default=100_000)
     p.add_argument("--refusal-requests", type=int, default=20_000)
+    p.add_argument("--accept-requests", type=int, default=5_000)
     p.add_argument("--worker-nice", type=int, default=None,
                    help="worker_nice of every server started (default: the config's); "
                         "the big-body sender runs as nice as the workers")
@@ -929,6 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         "sigterm": lambda: rows.append(sigterm(args)),
         "fuzz": lambda: rows.append(fuzz_real(args)),
         "refusal-cost": lambda: rows.extend(refusal_cost(args)),
+        "accept-cost": lambda: rows.extend(accept_cost(args)),
     }
     for name in args.only:
         print(f"== {name}", flush=True)
