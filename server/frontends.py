@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.auth import BearerAuth, header_allows, load_token
     from server.connection import raise_fd_limit, server_config
     from server.limits import BodyLimits
+    from server.memory import steady_server_heap
 
     p = argparse.ArgumentParser(prog="python -m server.frontends")
     p.add_argument("--config", required=True)
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", default=None)
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the dispatch process says when to stop
+    steady_server_heap()  # malloc's thresholds as `dstack serve` fixes them for itself
     cfg = load_config(args.config)
     logging.basicConfig(level=cfg.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
