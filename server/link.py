@@ -38,6 +38,7 @@ from dstack.common.errors import DStackError, Unavailable
 from dstack.common.pauses import Lateness
 from server.connection import RECEIVED_AT
 from server.early import HELD
+from server.memory import unfilled_bytes
 
 log = logging.getLogger("dstack.server")
 
@@ -67,7 +68,8 @@ class FrameReader(asyncio.BufferedProtocol, abc.ABC):
         self._buf = bytearray(READ_BYTES)
         self._n = 0  # bytes of _buf holding unparsed data
         self._meta: dict[str, Any] | None = None  # the frame whose payload is being filled
-        self._payload: bytearray | None = None
+        self._payload: bytes | bytearray | None = None
+        self._view: memoryview | None = None  # where the payload being filled is written
         self._filled = 0
         self.transport: asyncio.Transport | None = None
 
@@ -82,17 +84,17 @@ class FrameReader(asyncio.BufferedProtocol, abc.ABC):
                 continue
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._payload is not None:
-            return memoryview(self._payload)[self._filled:]
+        if self._view is not None:
+            return self._view[self._filled:]
         return memoryview(self._buf)[self._n:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._payload is not None:
+        if self._view is not None:
             self._filled += nbytes
-            if self._filled < len(self._payload):
+            if self._filled < len(self._view):
                 return
             meta, payload = self._meta, self._payload
-            self._meta = self._payload = None
+            self._meta = self._payload = self._view = None
             self.on_frame(meta, payload)  # type: ignore[arg-type]
             return
         self._n += nbytes
@@ -112,8 +114,14 @@ class FrameReader(asyncio.BufferedProtocol, abc.ABC):
                 continue
             if HEAD.size + mlen + plen <= len(buf):  # the frame fits: read the rest first
                 break
-            self._meta, self._payload = meta, bytearray(plen)
-            self._payload[:have] = buf[start:n]
+            made = unfilled_bytes(plen)  # not zeroed first: it is all written over
+            if made is None:
+                self._payload = bytearray(plen)
+                self._view = memoryview(self._payload)
+            else:
+                self._payload, self._view = made
+            self._meta = meta
+            self._view[:have] = buf[start:n]
             self._filled, at = have, n
             break
         if at:
