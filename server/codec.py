@@ -248,7 +248,7 @@ class RequestHead:
     outputs: tuple[RequestedOutput, ...]
     binary_output: bool
     batch_size: int
-    body: bytes
+    body: bytes  # the JSON of the request (all of it but its binary tensors, at least)
     names: tuple[str, ...]  # the inputs, in the request's order
     binary_inputs: dict[str, np.ndarray]
     json_inputs: tuple[_JsonInput, ...]
@@ -259,7 +259,8 @@ class RequestHead:
         return sum(j.span[1] - j.span[0] for j in self.json_inputs if j.span is not None)
 
 
-def decode_request(body: bytes, header_length: int | str | None, spec: ModelSpec) -> InferRequest:
+def decode_request(body: bytes | memoryview, header_length: int | str | None,
+                   spec: ModelSpec) -> InferRequest:
     """Decode and validate an infer request body against `spec`.
 
     `header_length` is the `Inference-Header-Content-Length` header (None when absent:
@@ -301,14 +302,21 @@ def _split_header(body: bytes, end: int) -> tuple[dict[str, Any], list[tuple[int
     return _loads(view if end == len(body) else view[:end], "request header"), []
 
 
-def parse_request(body: bytes, header_length: int | str | None, spec: ModelSpec) -> RequestHead:
+def parse_request(body: bytes | memoryview, header_length: int | str | None,
+                  spec: ModelSpec) -> RequestHead:
     """Decode and validate everything of an infer request but its JSON values.
+
+    `body` may be any bytes-like object (a front end's shared memory: `server.link`): its
+    JSON part is then copied into `bytes` (the JSON header of a binary request: small), its
+    binary tensors are views of it.
 
     Raises RequestError naming what is wrong (as `decode_request`); the values' own
     errors (wrong kind, count, range, malformed numbers) come from `decode_data`.
     """
     hlen = _parse_header_length(header_length, len(body))
-    header, spans = _split_header(body, len(body) if hlen is None else hlen)
+    end = len(body) if hlen is None else hlen
+    text = body if isinstance(body, bytes) else bytes(memoryview(body)[:end])
+    header, spans = _split_header(text, end)
 
     raw_inputs = header.get("inputs")
     if raw_inputs is None:
@@ -401,7 +409,7 @@ def parse_request(body: bytes, header_length: int | str | None, spec: ModelSpec)
     if rid is not None and not isinstance(rid, str):
         raise RequestError("'id' must be a string")
     assert batch is not None
-    return RequestHead(rid, outputs, binary_output, batch, body, tuple(names), binary_inputs,
+    return RequestHead(rid, outputs, binary_output, batch, text, tuple(names), binary_inputs,
                        tuple(json_inputs))
 
 

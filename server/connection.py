@@ -137,6 +137,11 @@ Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 HeaderCheck = Callable[[str, list[tuple[bytes, bytes]], int, dict[str, Any]],
                        "Answer | None | object"]
 
+#: Where a body read whole goes instead of new `bytes` (`server_config`'s `body_store`):
+#: given its size and the request's scope, the object the app is given as the body and a
+#: writable view of its bytes, or None (new bytes).
+BodyStore = Callable[[int, dict[str, Any]], "tuple[Any, memoryview] | None"]
+
 #: What a `HeaderCheck` returns when the answer comes later (asked of another process,
 #: `server.frontends`): it then calls `scope[ANSWER_LATER](answer)`, with the answer or
 #: None as it would have returned. Meanwhile the connection reads nothing more and keeps
@@ -251,6 +256,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionLimits]
     refuse_at_header: ClassVar[HeaderCheck | None] = None
+    body_store: ClassVar[BodyStore | None] = None
     # The server's connections that wait for a request header, oldest first: a new one
     # goes last, a kept-alive connection moves last when its next request starts. What
     # `connection_made` closes at the cap. (One per `with_limits` class, i.e. per server.)
@@ -262,13 +268,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     @classmethod
     def with_limits(cls, limits: ConnectionLimits, refuse_at_header: HeaderCheck | None = None,
-                    ) -> type[SizedReads]:
+                    body_store: BodyStore | None = None) -> type[SizedReads]:
         """The protocol class for uvicorn's `http` setting: this protocol under `limits`,
         behind `SizedReads` (one of each per server)."""
-        limited = type(cls.__name__, (cls,), {"limits": limits, "_waiting": OrderedDict(),
-                                              "_drop_free_at": 0.0,
-                                              "refuse_at_header": staticmethod(refuse_at_header)
-                                              if refuse_at_header else None})
+        limited = type(cls.__name__, (cls,), {
+            "limits": limits, "_waiting": OrderedDict(), "_drop_free_at": 0.0,
+            "refuse_at_header": staticmethod(refuse_at_header) if refuse_at_header else None,
+            "body_store": staticmethod(body_store) if body_store else None})
         return type(SizedReads.__name__, (SizedReads,),
                     {"inner": limited, "_buffer": memoryview(bytearray(BODY_READ_BYTES))})
 
@@ -447,7 +453,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         whole, self._whole = self._whole, None
         cycle = self.cycle
         if whole is not None and cycle is not None and not cycle.response_complete:
-            cycle.body = whole.body  # type: ignore[assignment]  # receive() gives it as is
+            # receive() gives it as is (a `body_store`'s object: `asked` gives it)
+            cycle.body = whole.body if type(whole.body) is bytes else b""  # type: ignore[assignment]
         self._reading_body = False
         self._disarm()
         super().on_message_complete()
@@ -464,17 +471,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         copies of itself and a dozen more steps of the loop. Until the app first asks for
         the body (once it has taken the body budget for it) no more than BODY_READ_BYTES of
         it is read, as before."""
-        made = unfilled_bytes(self._body_left)
+        store = self.body_store
+        made = ((store(self._body_left, self.scope) if store is not None else None)  # type: ignore[arg-type]
+                or unfilled_bytes(self._body_left))
         if made is None:
             return
-        self._whole = _Whole(*made)
+        self._whole = mine = _Whole(*made)
         receive = cycle.receive
+        stored = type(mine.body) is not bytes  # a `body_store`'s: given as it is, not as bytes
 
         async def asked() -> Any:
             whole = self._whole
             if whole is not None and cycle is self.cycle:
                 whole.asked = True  # receive() resumes reading
-            return await receive()
+            msg = await receive()
+            if stored and msg["type"] == "http.request" and not msg.get("more_body"):
+                msg["body"] = mine.body  # (uvicorn's receive() makes bytes of what it has)
+            return msg
 
         cycle.receive = asked  # type: ignore[method-assign]
 
@@ -837,11 +850,12 @@ class SizedReads(asyncio.BufferedProtocol):
 
 
 def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
-                  log_level: str | None = None,
-                  header_check: HeaderCheck | None = None) -> uvicorn.Config:
+                  log_level: str | None = None, header_check: HeaderCheck | None = None,
+                  body_store: BodyStore | None = None) -> uvicorn.Config:
     """uvicorn's settings for `app` under `cfg`'s limits, timeouts and TLS files; its
     connections answer refusals from the header with `header_check`, by default
-    `app.state.header_refusal` (set by `server.main.build_app`)."""
+    `app.state.header_refusal` (set by `server.main.build_app`), and read bodies whole
+    into what `body_store` gives (else new `bytes`)."""
     cfg = cfg or ServerConfig()
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
                               drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
@@ -850,7 +864,8 @@ def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
     return uvicorn.Config(
         app,
         # a BufferedProtocol, which uvicorn's annotation (asyncio.Protocol) leaves out
-        http=LimitedHttpToolsProtocol.with_limits(limits, header_check),  # type: ignore[arg-type]
+        http=LimitedHttpToolsProtocol.with_limits(  # type: ignore[arg-type]
+            limits, header_check, body_store),
         log_level=log_level or cfg.log_level,
         access_log=False,  # one log line per request would cost more than decoding it
         timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]

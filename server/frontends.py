@@ -36,7 +36,7 @@ from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
 from server.early import INFER_PATH, TooLate, checked_as_it_arrives
 from server.limits import BodyBudget, error_json, refuse, retry_after
-from server.link import STOPPING, Link, error_of
+from server.link import STOPPING, Link, SharedBodies, SharedBody, error_of
 
 log = logging.getLogger("dstack.server")
 
@@ -85,6 +85,12 @@ class LinkHeaderCheck:
         return LATER
 
 
+#: A front end's shared memory for binary infer bodies (`server.link.SharedBodies`), at
+#: most: its pages are the OS's until a body is first read into them. (The body budget,
+#: if smaller, bounds it too.)
+SHARED_BODIES_BYTES = 64 << 20
+
+
 #: The scope key the front end's header check sets to the request's id on the link when
 #: the dispatch process let it through with a hold; popped when its body is sent (`b`).
 LINK_ID = "dstack.link_id"
@@ -109,17 +115,23 @@ class FrontEnd:
         except DStackError as e:  # a client gone mid-body
             await refuse(scope, receive, send, e.status_code, e.message)
             return
+        shared = body if isinstance(body, SharedBody) else None  # its space given back
+        if shared is not None:  # at the answer, when the dispatch process is done with it
+            body = shared.view
         if m is not None:
             meta = {"k": "b", "i": scope.pop(LINK_ID, i), "m": m.group(1), "v": m.group(2),
                     "p": scope["path"], "t": scope.get(RECEIVED_AT) or time.monotonic(),
                     "H": [(k.decode("latin-1"), v.decode("latin-1"))
                           for k, v in scope["headers"] if k == b"inference-header-content-length"]}
+            if shared is not None:  # where it lies, not what it is
+                meta["o"], meta["n"], body = shared.at, shared.size, b""
         else:
             meta = {"k": "x", "i": i, "M": scope["method"], "p": scope["path"],
                     "q": scope["query_string"].decode("latin-1"),
                     "H": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]}
         try:
-            reply, out = await self.link.call(meta, body)
+            reply, out = await self.link.call(meta, body,
+                                              None if shared is None else shared.free)
         except DStackError as e:
             await refuse(scope, receive, send, e.status_code, e.message)
             return
@@ -340,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     s = s.model_copy(update={"max_connections": share})
     raise_fd_limit(share)
     sock = socket.socket(fileno=args.fd)
-    link = Link(lambda: setattr(server, "should_exit", True))  # the dispatch process is gone
+    bodies = SharedBodies(min(s.body_budget_bytes, SHARED_BODIES_BYTES))
+    # (when the dispatch process is gone, this front end stops)
+    link = Link(lambda: setattr(server, "should_exit", True), bodies)
     app: ASGIApp = FrontEnd(link, s.max_body_bytes)
     app = BodyLimits(app, max_body_bytes=s.max_body_bytes, budget=SharedBodyBudget(
         s.body_budget_bytes, Path(args.budget), args.slot))
@@ -350,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
                          drain_bytes=s.max_body_bytes)
     config = server_config(app, s, header_check=LinkHeaderCheck(
-        link, max_body_bytes=s.max_body_bytes, allowed=header_allows(token, s.auth_open_paths)))
+        link, max_body_bytes=s.max_body_bytes, allowed=header_allows(token, s.auth_open_paths)),
+        body_store=bodies.store)
     config.lifespan = "off"
 
     class _FrontEndServer(uvicorn.Server):
@@ -359,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             await loop.create_unix_connection(lambda: link, args.link)
             await super().startup(sockets)
             freeze_startup_objects()
-            link.tell({"k": "hello", "i": 0, "pid": os.getpid()})
+            link.tell({"k": "hello", "i": 0, "pid": os.getpid(), "shm": bodies.path,
+                       "shm_bytes": bodies.size})
             self.late_task = loop.create_task(report_lateness(link))
 
     server = _FrontEndServer(config)

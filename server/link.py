@@ -8,8 +8,14 @@ read, a big payload straight into its own buffer). Per infer request, two round 
   model's queue held while the body is read, as `server.early.HELD`) or `no` (the refusal:
   status, message, rule, retry-after), answered by the front end exactly as the
   one-process server answers it (`server.early.EarlyRefusal`);
-- `b` (the whole body as payload) -> `a` (status, headers; the answer as payload), from the
-  dispatch process's own infer endpoint (`server.app`), called with the body at once.
+- `b` (the whole body as payload, or where it lies in the front end's shared memory) ->
+  `a` (status, headers; the answer as payload), from the dispatch process's own infer
+  endpoint (`server.app`), called with the body at once.
+
+A front end reads binary infer bodies straight into a shared-memory file of its own
+(`SharedBodies`, mapped by the dispatch process when the front end says hello): such a
+body crosses to the dispatch process as its offset and length, not copied over the
+socket, and its space is the front end's again when the answer `a` comes.
 
 While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`); a request
 that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
@@ -22,8 +28,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import bisect
 import itertools
 import logging
+import mmap
+import os
 import socket
 import struct
 import time
@@ -37,7 +46,7 @@ from starlette.types import Message
 from dstack.common.errors import DStackError, Unavailable
 from dstack.common.pauses import Lateness
 from server.connection import RECEIVED_AT
-from server.early import HELD
+from server.early import HELD, INFER_PATH
 from server.memory import unfilled_bytes
 
 log = logging.getLogger("dstack.server")
@@ -165,7 +174,8 @@ class Dispatch:
         self.app = app
         self.infer = app.state.infer_endpoint
         self.failed = app.state.metrics.failed
-        self.late = app.state.metrics.frontends_late = Lateness()  # the front ends' loops
+        self.metrics = app.state.metrics
+        self.late = self.metrics.frontends_late = Lateness()  # the front ends' loops
         self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
         self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
         self.version = version
@@ -182,6 +192,7 @@ class _DispatchLink(FrameReader):
         self.d = dispatch
         self.holds: dict[int, str] = {}  # request id -> model, held while its body is read
         self.tasks: set[asyncio.Task[None]] = set()
+        self.shared: memoryview | None = None  # the front end's bodies (`SharedBodies`)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for model in self.holds.values():  # the front end is gone: so are its bodies
@@ -211,6 +222,14 @@ class _DispatchLink(FrameReader):
             told.counts, told.sum_s = meta["c"], meta["s"]
             self.d.late.merge(told)
         elif k == "hello":
+            if meta.get("shm"):
+                try:
+                    self.shared = SharedBodies.map(meta["shm"], meta["shm_bytes"])
+                except OSError as e:  # its bodies keep crossing the link
+                    log.warning("front end %s: its shared memory for bodies cannot be "
+                                "mapped (%s); bodies cross the link", meta["pid"], e)
+                else:
+                    self.send({"k": "shm", "i": 0})  # the front end may use it now
             self.d.hello.put_nowait(meta["pid"])
 
     def _header(self, meta: dict[str, Any]) -> None:
@@ -246,8 +265,13 @@ class _DispatchLink(FrameReader):
             return
         self.send({"k": "go", "i": i})
 
-    async def _answer(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+    async def _answer(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview
+                      ) -> None:
         i = meta["i"]
+        at = meta.get("o")
+        if at is not None and self.shared is not None:  # in the front end's shared memory
+            payload = self.shared[at:at + meta["n"]]
+            self.d.metrics.frontends_shared_bodies += 1
         status = 500
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
@@ -299,6 +323,94 @@ class _DispatchLink(FrameReader):
 # ---------------------------------------------------------------------- a front end's end
 
 
+class SharedBody:
+    """A body in a front end's `SharedBodies`: what the app is given as the body (its
+    length is the body's); `free()` gives its space back (once the dispatch process is
+    done with it), and so does its end when it never reached the dispatch process."""
+
+    __slots__ = ("owner", "at", "size", "view")
+
+    def __init__(self, owner: SharedBodies, at: int, size: int) -> None:
+        self.owner, self.at, self.size = owner, at, size
+        self.view = owner.view[at:at + size]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def free(self) -> None:
+        if self.at >= 0:
+            self.owner.give(self.at)
+            self.at = -1
+
+    __del__ = free
+
+
+class SharedBodies:
+    """A front end's shared memory for binary infer bodies (a memfd of `size` bytes), given
+    out first fit: `store(n, scope)` is the connection's `body_store`; a body that does
+    not fit, and every other body, is read into its own bytes and crosses the link."""
+
+    ALIGN = 64
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.enabled = False  # until the dispatch process says it has mapped it (`shm`)
+        self.fd = os.memfd_create("dstack-bodies", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.view = memoryview(mmap.mmap(self.fd, size))
+        self.free_at: list[int] = [0]  # starts of the free runs, in order
+        self.free_len: list[int] = [size]
+        self.used: dict[int, int] = {}  # start -> length of each body given out
+
+    @property
+    def path(self) -> str:
+        """Where the dispatch process opens it (`map`)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    @staticmethod
+    def map(path: str, size: int) -> memoryview:
+        """The dispatch process's read-only view of a front end's `SharedBodies`."""
+        with open(path, "rb") as f:
+            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ))
+
+    def take(self, n: int) -> SharedBody | None:
+        need = -(-max(n, 1) // self.ALIGN) * self.ALIGN
+        for k, length in enumerate(self.free_len):
+            if length >= need:
+                at = self.free_at[k]
+                if length == need:
+                    del self.free_at[k], self.free_len[k]
+                else:
+                    self.free_at[k] += need
+                    self.free_len[k] -= need
+                self.used[at] = need
+                return SharedBody(self, at, n)
+        return None
+
+    def give(self, at: int) -> None:
+        length = self.used.pop(at, None)
+        if length is None:  # (at the process's exit, its bodies go in any order)
+            return
+        k = bisect.bisect(self.free_at, at)
+        if k < len(self.free_at) and at + length == self.free_at[k]:  # joins the next run
+            length += self.free_len[k]
+            del self.free_at[k], self.free_len[k]
+        if k and self.free_at[k - 1] + self.free_len[k - 1] == at:  # ... and the one before
+            self.free_len[k - 1] += length
+        else:
+            self.free_at.insert(k, at)
+            self.free_len.insert(k, length)
+
+    def store(self, n: int, scope: dict[str, Any]) -> tuple[SharedBody, memoryview] | None:
+        """The connection's `body_store`: a binary infer body goes here while it fits."""
+        if (not self.enabled or scope.get("method") != "POST"
+                or INFER_PATH.match(scope["path"]) is None
+                or not any(k == b"inference-header-content-length" for k, _ in scope["headers"])):
+            return None
+        body = self.take(n)
+        return None if body is None else (body, body.view)
+
+
 #: What waits for the dispatch process's answer to one request: called with the answer's
 #: meta and payload, or (None, b"") when the link is gone.
 Waiter = Callable[[dict[str, Any] | None, bytes], None]
@@ -311,11 +423,12 @@ class Link(FrameReader):
     the dispatch process's answer to the request `meta["i"]`, `call` awaits it, `tell(meta)`
     wants none."""
 
-    def __init__(self, on_lost: Callable[[], None]) -> None:
+    def __init__(self, on_lost: Callable[[], None], shared: SharedBodies | None = None) -> None:
         super().__init__()
         self.ids = itertools.count(1)
         self.waiting: dict[int, Waiter] = {}
         self.on_lost = on_lost
+        self.shared = shared  # this front end's bodies, used once the dispatch process says
 
     def ask(self, meta: dict[str, Any], waiter: Waiter,
             payload: bytes | bytearray | memoryview = b"") -> bool:
@@ -325,12 +438,17 @@ class Link(FrameReader):
         self.send(meta, payload)
         return True
 
-    def call(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b""
+    def call(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
+             then: Callable[[], None] | None = None
              ) -> Awaitable[tuple[dict[str, Any], bytes]]:
+        """Ask and await the answer; `then()` runs when it comes (or the link is lost), if
+        the caller has stopped waiting too."""
         fut: asyncio.Future[tuple[dict[str, Any], bytes]] = (
             asyncio.get_running_loop().create_future())
 
         def answered(reply: dict[str, Any] | None, out: bytes) -> None:
+            if then is not None:
+                then()
             if fut.done():
                 return
             if reply is None:
@@ -345,6 +463,9 @@ class Link(FrameReader):
     tell = FrameReader.send
 
     def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
+        if meta["k"] == "shm" and self.shared is not None:
+            self.shared.enabled = True
+            return
         waiter = self.waiting.pop(meta["i"], None)
         if waiter is not None:
             try:

@@ -21,7 +21,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -267,20 +272,25 @@ def lateness_histogram(name: str, documentation: str, late: Lateness) -> Histogr
     return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=late.sum_s)
 
 
-class _FrontEndsLate(Collector):
-    """The front ends' loop timers (`server.frontends`), as they report them; nothing
-    without front ends."""
+class _FrontEnds(Collector):
+    """What the front ends (`server.frontends`) report and pass: their loop timers, the
+    bodies they passed in shared memory; nothing without front ends."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         late = self.metrics.frontends_late
-        if late is not None:
-            yield lateness_histogram(
-                "dstack_frontend_loop_late_seconds",
-                "How late each tick of the front-end processes' 10 ms loop timers fired, all "
-                "front ends together (server.frontends > 1; reported once a second)", late)
+        if late is None:
+            return
+        yield lateness_histogram(
+            "dstack_frontend_loop_late_seconds",
+            "How late each tick of the front-end processes' 10 ms loop timers fired, all "
+            "front ends together (server.frontends > 1; reported once a second)", late)
+        yield CounterMetricFamily(
+            "dstack_frontend_shared_bodies",
+            "Infer bodies the front ends passed in shared memory (the others crossed the "
+            "link: not binary, or no room)", value=self.metrics.frontends_shared_bodies)
 
 
 _UNSUFFIXED = (
@@ -312,9 +322,11 @@ class Metrics:
             "had been read (stage=body)",
             ["model", "stage"], buckets=LATE_BOUNDS_S, registry=self.registry)
         self._refusals_timed: dict[tuple[str, str], Any] = {}
-        #: The front ends' loop lateness, added up as they report it (`server.link`).
+        #: With front ends (`server.link`): their loop lateness, added up as they report
+        #: it, and how many bodies they passed in shared memory.
         self.frontends_late: Lateness | None = None
-        self.registry.register(_FrontEndsLate(self))
+        self.frontends_shared_bodies = 0
+        self.registry.register(_FrontEnds(self))
 
     def failed(self, model: str, e: DStackError, stage: str,
                received_at: float | None = None) -> None:

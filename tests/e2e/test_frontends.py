@@ -72,6 +72,13 @@ def _successes(srv: ServerProcess) -> tuple[int, float]:
     return count, float(m.group(1))
 
 
+def _shared_bodies(srv: ServerProcess) -> float:
+    m = re.search(r"^dstack_frontend_shared_bodies_total (\S+)$", _get_text(srv, "/metrics"),
+                  re.M)
+    assert m is not None
+    return float(m.group(1))
+
+
 def _front_ends(srv: ServerProcess) -> list[int]:
     """`srv.front_ends()`, tried again while a process it lists is just going away."""
     for _ in range(20):
@@ -88,6 +95,7 @@ def test_every_route_answers_through_the_front_ends(srv: ServerProcess) -> None:
                  "/v2/health/ready", "/metrics"):
         assert srv.get(path) == 200, path
     before, before_metric = _successes(srv)
+    shared_before = _shared_bodies(srv)
     rounds = 4
 
     def client_thread(seed: int) -> int:
@@ -119,6 +127,8 @@ def test_every_route_answers_through_the_front_ends(srv: ServerProcess) -> None:
     after, after_metric = _successes(srv)
     assert after - before == k  # counted once, by the dispatch process
     assert after_metric - before_metric == k
+    # the binary ones (half) were passed in the front ends' shared memory, not over the link
+    assert _shared_bodies(srv) - shared_before == k // 2
     assert len(_front_ends(srv)) == 2
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from server.link import READ_BYTES, FrameReader, frame
+from server.link import READ_BYTES, FrameReader, SharedBodies, frame
 
 
 class _Collect(FrameReader):
@@ -57,3 +57,61 @@ def test_many_small_frames_are_parsed_from_one_read() -> None:
         reads += 1
     assert reader.frames == sent
     assert reads <= len(data) // (READ_BYTES // 2) + 1  # not one read per frame
+
+
+def _binary_infer_scope() -> dict[str, Any]:
+    return {"method": "POST", "path": "/v2/models/m/infer",
+            "headers": [(b"inference-header-content-length", b"120")]}
+
+
+def _shared(size: int) -> SharedBodies:
+    bodies = SharedBodies(size)
+    bodies.enabled = True  # as when the dispatch process has said it mapped them
+    return bodies
+
+
+def test_shared_bodies_are_given_out_first_fit_and_taken_back_whole() -> None:
+    bodies = _shared(1 << 20)
+    a, b, c = (bodies.take(300_000) for _ in range(3))
+    assert a is not None and b is not None and c is not None
+    assert bodies.take(300_000) is None  # 3 x 300,000 given out of 1 MiB: no room
+    assert bodies.store(10, _binary_infer_scope()) is not None  # a small one still fits
+    b_at = b.at
+    b.free()
+    b.free()  # once only
+    d = bodies.take(200_000)  # into b's place, first fit
+    assert d is not None and d.at == b_at
+    a.free()
+    c.free()
+    d.free()
+    # every run joined again: the whole region in one piece
+    whole = bodies.take((1 << 20) - SharedBodies.ALIGN)
+    assert whole is not None and whole.at == 0
+
+
+def test_a_shared_body_dropped_unsent_gives_its_space_back() -> None:
+    bodies = _shared(1 << 20)
+    made = bodies.store(900_000, _binary_infer_scope())
+    assert made is not None
+    body, view = made
+    view[:3] = b"abc"  # the connection reads the socket into it
+    assert bytes(body.view[:3]) == b"abc" and len(body) == 900_000
+    assert bodies.take(900_000) is None
+    del made, body, view  # a request refused, or its client gone: never sent
+    assert bodies.take(900_000) is not None
+
+
+def test_only_binary_infer_bodies_go_to_shared_memory() -> None:
+    bodies = SharedBodies(1 << 20)
+    assert bodies.store(100, _binary_infer_scope()) is None  # not before the dispatch says
+    bodies.enabled = True
+    json_infer = {**_binary_infer_scope(), "headers": [(b"content-type", b"application/json")]}
+    other = {**_binary_infer_scope(), "path": "/v2/repository/models/m/load"}
+    assert bodies.store(100, json_infer) is None
+    assert bodies.store(100, other) is None
+    assert bodies.store(2 << 20, _binary_infer_scope()) is None  # bigger than the region
+    mapped = SharedBodies.map(bodies.path, bodies.size)  # as the dispatch process maps it
+    made = bodies.store(100, _binary_infer_scope())
+    assert made is not None
+    made[1][:5] = b"hello"
+    assert bytes(mapped[made[0].at:made[0].at + 5]) == b"hello"
