@@ -464,16 +464,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _read_whole(self, cycle: RequestResponseCycle) -> None:
         """Read the body of the request just parsed, of `_body_left` bytes, into one
-        `bytes` made for it (`_Whole`), which the app's receive() is then given in one
-        message. uvicorn's way (256 KB reads copied into new `bytes`, copied again by the
-        parser into a piece, each piece a message that wakes the app, which copies it into
-        its body; reading paused and resumed between pieces) cost a 600 KB body two more
-        copies of itself and a dozen more steps of the loop. Until the app first asks for
-        the body (once it has taken the body budget for it) no more than BODY_READ_BYTES of
-        it is read, as before."""
+        `bytes` made for it (`_Whole`), or into what the `body_store` gives (a front end's
+        shared memory), which the app's receive() is then given in one message. uvicorn's
+        way (256 KB reads copied into new `bytes`, copied again by the parser into a piece,
+        each piece a message that wakes the app, which copies it into its body; reading
+        paused and resumed between pieces) cost a 600 KB body two more copies of itself and
+        a dozen more steps of the loop. Until the app first asks for the body (once it has
+        taken the body budget for it) no more than BODY_READ_BYTES of it is read, as
+        before."""
         store = self.body_store
-        made = ((store(self._body_left, self.scope) if store is not None else None)  # type: ignore[arg-type]
-                or unfilled_bytes(self._body_left))
+        made = store(self._body_left, self.scope) if store else None  # type: ignore[arg-type]
+        made = made or unfilled_bytes(self._body_left)
         if made is None:
             return
         self._whole = mine = _Whole(*made)

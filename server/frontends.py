@@ -115,8 +115,10 @@ class FrontEnd:
         except DStackError as e:  # a client gone mid-body
             await refuse(scope, receive, send, e.status_code, e.message)
             return
-        shared = body if isinstance(body, SharedBody) else None  # its space given back
-        if shared is not None:  # at the answer, when the dispatch process is done with it
+        # A body in shared memory: its space is given back at the answer (`call`'s
+        # `then`), when the dispatch process is done with it.
+        shared = body if isinstance(body, SharedBody) else None
+        if shared is not None:
             body = shared.view
         if m is not None:
             meta = {"k": "b", "i": scope.pop(LINK_ID, i), "m": m.group(1), "v": m.group(2),
