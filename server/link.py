@@ -47,7 +47,7 @@ from dstack.common.errors import DStackError, Unavailable
 from dstack.common.pauses import Lateness
 from server.connection import RECEIVED_AT
 from server.early import HELD, INFER_PATH
-from server.memory import unfilled_bytes
+from server.memory import TRIM_AFTER_BYTES, unfilled_bytes
 
 log = logging.getLogger("dstack.server")
 
@@ -357,7 +357,8 @@ class SharedBodies:
         self.enabled = False  # until the dispatch process says it has mapped it (`shm`)
         self.fd = os.memfd_create("dstack-bodies", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
-        self.view = memoryview(mmap.mmap(self.fd, size))
+        self.map = mmap.mmap(self.fd, size)
+        self.view = memoryview(self.map)
         self.free_at: list[int] = [0]  # starts of the free runs, in order
         self.free_len: list[int] = [size]
         self.used: dict[int, int] = {}  # start -> length of each body given out
@@ -391,6 +392,12 @@ class SharedBodies:
         length = self.used.pop(at, None)
         if length is None:  # (at the process's exit, its bodies go in any order)
             return
+        if length >= TRIM_AFTER_BYTES:
+            # A big body's pages go back to the OS, as the server's own big bodies' do
+            # (`server.memory`): the run keeps its place, its pages are fresh when reused.
+            first = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
+            last = (at + length) // mmap.PAGESIZE * mmap.PAGESIZE
+            self.map.madvise(mmap.MADV_REMOVE, first, last - first)
         k = bisect.bisect(self.free_at, at)
         if k < len(self.free_at) and at + length == self.free_at[k]:  # joins the next run
             length += self.free_len[k]

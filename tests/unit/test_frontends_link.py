@@ -115,3 +115,16 @@ def test_only_binary_infer_bodies_go_to_shared_memory() -> None:
     assert made is not None
     made[1][:5] = b"hello"
     assert bytes(mapped[made[0].at:made[0].at + 5]) == b"hello"
+
+
+def test_a_big_shared_body_gives_its_pages_back_once_freed() -> None:
+    import os
+
+    bodies = _shared(16 << 20)
+    body = bodies.take(8 << 20)
+    assert body is not None
+    body.view[:] = b"x" * (8 << 20)  # a big body read in: its pages are taken
+    assert os.fstat(bodies.fd).st_blocks * 512 >= 8 << 20
+    body.free()  # as one process trims after a big body, so does a front end
+    assert os.fstat(bodies.fd).st_blocks * 512 < 1 << 20
+
