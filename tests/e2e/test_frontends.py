@@ -46,9 +46,21 @@ def _infer_json(n: int = 1) -> bytes:
                                    "data": [0.5] * (n * 3072)}]}).encode()
 
 
-def _post(srv: ServerProcess, body: bytes) -> tuple[int, dict, dict[str, str]]:
+def _infer_binary() -> tuple[bytes, dict[str, str]]:
+    """A one-item request in the binary tensor extension (a front end passes its body in
+    shared memory), its answer asked for as JSON: (body, headers)."""
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 3072 * 4}}],
+                       "parameters": {"binary_data_output": False}}).encode()
+    return (head + np.full(3072, 0.5, np.float32).tobytes(),
+            {"Inference-Header-Content-Length": str(len(head))})
+
+
+def _post(srv: ServerProcess, body: bytes, headers: dict[str, str] | None = None,
+          ) -> tuple[int, dict, dict[str, str]]:
     """A plain urllib POST on a new connection: (status, JSON body, lower-cased headers)."""
-    req = urllib.request.Request(f"http://{srv.url}{INFER}", data=body, method="POST")
+    req = urllib.request.Request(f"http://{srv.url}{INFER}", data=body, headers=headers or {},
+                                 method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             status, payload, headers = r.status, json.loads(r.read()), r.headers
@@ -191,12 +203,17 @@ def test_a_killed_front_end_is_replaced_and_requests_go_on(srv: ServerProcess) -
     statuses: list[int] = []
     stop = threading.Event()
 
+    binary, binary_headers = _infer_binary()
+
     def traffic() -> None:
-        """Requests one after another; a connection error retried at most 3 times."""
+        """Requests one after another, JSON and binary; a connection error retried at most
+        3 times."""
         while not stop.is_set():
             for _ in range(4):
                 try:
                     statuses.append(_post(srv, _infer_json())[0])
+                    status, answer, _ = _post(srv, binary, binary_headers)
+                    statuses.append(status if len(answer["outputs"][0]["data"]) == 10 else 0)
                     break
                 except OSError:  # reset by the dying front end: once, for that request
                     time.sleep(0.05)
@@ -220,10 +237,15 @@ def test_a_killed_front_end_is_replaced_and_requests_go_on(srv: ServerProcess) -
     assert statuses and all(s == 200 for s in statuses), statuses
     for _ in range(20):  # new connections, spread by the kernel over both front ends
         assert _post(srv, _infer_json())[0] == 200
+    shared = _shared_bodies(srv)
     os.kill(old[1], signal.SIGSTOP)  # the replacement alone accepts: it serves
     try:
         for _ in range(5):
             assert _post(srv, _infer_json())[0] == 200
+            status, answer, _ = _post(srv, binary, binary_headers)
+            assert status == 200 and np.allclose(answer["outputs"][0]["data"],
+                                                 _post(srv, _infer_json())[1]["outputs"][0]["data"])
+        assert _shared_bodies(srv) - shared == 5  # in the replacement's own shared memory
     finally:
         os.kill(old[1], signal.SIGCONT)
     exits = RESTARTED.findall(srv.text())
