@@ -340,7 +340,9 @@ def test_metrics_time_each_refusal_from_its_first_byte_by_where_it_was_decided(
     after = _refusal_times(addr)
     header, body = (after[k].since(before[k]) for k in ("header", "body"))
     assert header.count == 1 and header.quantile_s(1.0) == 1.0  # 0.25 s < t <= 1 s
-    assert header.sum_s >= 0.3
+    # timed from the first byte: the 0.3 s pause counts, less however late the server read
+    # those first bytes (0.2998 s was seen: a bound of 0.3 failed now and then)
+    assert header.sum_s >= 0.25
     assert body.count == 1 and body.sum_s < 0.3
 
 
