@@ -115,17 +115,16 @@ class FrontEnd:
         except DStackError as e:  # a client gone mid-body
             await refuse(scope, receive, send, e.status_code, e.message)
             return
-        # A body in shared memory: its space is given back at the answer (`call`'s
+        # A binary infer body in shared memory (`SharedBodies.store` takes no other): it
+        # goes as where it lies, and its space is given back at the answer (`call`'s
         # `then`), when the dispatch process is done with it.
         shared = body if isinstance(body, SharedBody) else None
-        if shared is not None:
-            body = shared.view
         if m is not None:
             meta = {"k": "b", "i": scope.pop(LINK_ID, i), "m": m.group(1), "v": m.group(2),
                     "p": scope["path"], "t": scope.get(RECEIVED_AT) or time.monotonic(),
                     "H": [(k.decode("latin-1"), v.decode("latin-1"))
                           for k, v in scope["headers"] if k == b"inference-header-content-length"]}
-            if shared is not None:  # where it lies, not what it is
+            if shared is not None:
                 meta["o"], meta["n"], body = shared.at, shared.size, b""
         else:
             meta = {"k": "x", "i": i, "M": scope["method"], "p": scope["path"],
