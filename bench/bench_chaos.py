@@ -73,6 +73,7 @@ from bench.servers import (
     refusal_times,
     refusals_since,
     serving,
+    standing_refusals,
 )
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import Lateness, freeze_startup_objects
@@ -361,7 +362,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
-    fe_late0 = frontends_loop_late(lv.srv.host)
+    fe_late0, standing0 = frontends_loop_late(lv.srv.host), standing_refusals(lv.srv.host)
     t0 = time.monotonic()
     load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                 seed=100 * rep + _times(x), procs=LOAD_PROCS)
@@ -375,6 +376,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     fe_late = frontends_loop_late(lv.srv.host).since(fe_late0)
     lv.frontends_late[x].merge(fe_late)
     refused = refusals_since(refusal_times(lv.srv.host), refused0)
+    standing = standing_refusals(lv.srv.host) - standing0
     for stage, times in refused.items():
         lv.refusals[x].setdefault(stage, Lateness()).merge(times)
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
@@ -401,7 +403,9 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           f"generator's {client_late.summary()}; "
           + (f"front ends' {fe_late.summary()}; " if fe_late.count else "")
           + "server's refusals "
-          f"{refusal_summary(refused)}; answered late: {cl.format_late(res, lv.slos)}; "
+          f"{refusal_summary(refused)}"
+          + (f" ({standing} of them standing at a front end)" if fe_late.count else "")
+          + f"; answered late: {cl.format_late(res, lv.slos)}; "
           f"time outside the server's p50 / p99 (ms): {outside_server(t)}", flush=True)
 
 

@@ -159,6 +159,17 @@ def frontends_loop_late(host: str) -> Lateness:
     return histogram_counts(_metrics(host), "dstack_frontend_loop_late_seconds")
 
 
+def standing_refusals(host: str) -> int:
+    """The server's `dstack_frontend_standing_refusals` (/metrics): requests its front ends
+    refused within a standing refusal, without asking the dispatch process (0 without)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(_metrics(host)):
+        if fam.name == "dstack_frontend_standing_refusals":
+            return int(sum(sample.value for sample in fam.samples))
+    return 0
+
+
 def refusal_times(host: str) -> dict[str, Lateness]:
     """The server's `dstack_refusal_seconds` (/metrics), every model's together, by stage:
     how long each refusal took from the request's first byte, decided from its header

@@ -36,7 +36,7 @@ from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
 from server.early import INFER_PATH, TooLate, checked_as_it_arrives
 from server.limits import BodyBudget, error_json, refuse, retry_after
-from server.link import STOPPING, Link, SharedBodies, SharedBody, error_of
+from server.link import STOPPING, Link, SharedBodies, SharedBody, StandingRefusals, error_of
 
 log = logging.getLogger("dstack.server")
 
@@ -47,14 +47,16 @@ class LinkHeaderCheck:
     connection reads nothing more until the answer (LATER). A refusal is written by the
     connection as the one-process server's `server.early.HeaderRefusal` writes it; a
     request let through goes to the app with its id on the link (`LINK_ID`), its place
-    held. Not asked (None: `FrontEndRefusal` asks): other routes, bodies over
-    `max_body_bytes`, requests without the token where one is wanted."""
+    held. A refusal that stands (`StandingRefusals`) answers the model's next requests
+    without asking, while it does. Not asked (None: `FrontEndRefusal` asks): other routes,
+    bodies over `max_body_bytes`, requests without the token where one is wanted."""
 
     def __init__(self, link: Link, *, max_body_bytes: int,
                  allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None) -> None:
         self.link = link
         self.max_body_bytes = max_body_bytes
         self.allowed = allowed
+        self.standing = StandingRefusals(link)
 
     def __call__(self, path: str, headers: list[tuple[bytes, bytes]], length: int,
                  scope: dict[str, Any]) -> object:
@@ -62,6 +64,11 @@ class LinkHeaderCheck:
         if (m is None or length > self.max_body_bytes
                 or (self.allowed is not None and not self.allowed(path, headers))):
             return None
+        key = m.group(1), m.group(2)
+        received = scope.get(RECEIVED_AT) or time.monotonic()
+        standing = self.standing.answer(key, received)
+        if standing is not None:
+            return standing
         i = next(self.link.ids)
         resume = scope[ANSWER_LATER]
 
@@ -76,11 +83,14 @@ class LinkHeaderCheck:
                 return
             else:
                 e = error_of(reply)
-            resume((e.status_code, [(b"content-type", b"application/json"), *retry_after(e)],
-                    error_json(e.message, e.rule)))
+            answer = (e.status_code, [(b"content-type", b"application/json"), *retry_after(e)],
+                      error_json(e.message, e.rule))
+            if reply is not None:
+                self.standing.stand(key, reply, answer)
+            resume(answer)
 
-        if not self.link.ask({"k": "h", "i": i, "m": m.group(1), "v": m.group(2),
-                              "t": scope.get(RECEIVED_AT) or time.monotonic()}, answered):
+        if not self.link.ask({"k": "h", "i": i, "m": key[0], "v": key[1], "t": received},
+                             answered):
             return None
         return LATER
 
@@ -364,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     if token is not None:
         app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
                          drain_bytes=s.max_body_bytes)
-    config = server_config(app, s, header_check=LinkHeaderCheck(
-        link, max_body_bytes=s.max_body_bytes, allowed=header_allows(token, s.auth_open_paths)),
-        body_store=bodies.store)
+    check = LinkHeaderCheck(link, max_body_bytes=s.max_body_bytes,
+                            allowed=header_allows(token, s.auth_open_paths))
+    config = server_config(app, s, header_check=check, body_store=bodies.store)
     config.lifespan = "off"
 
     class _FrontEndServer(uvicorn.Server):
@@ -378,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             link.tell({"k": "hello", "i": 0, "pid": os.getpid(), "shm": bodies.path,
                        "shm_bytes": bodies.size})
             self.late_task = loop.create_task(report_lateness(link))
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            check.standing.tell()  # what stood and was not told yet: counted
+            await super().shutdown(sockets)
 
     server = _FrontEndServer(config)
     server.run(sockets=[sock])

@@ -21,6 +21,12 @@ While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`
 that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
 Every other route goes whole as `x` and is answered by the dispatch process's app. Each
 second a front end tells how late its loop's timer fired meanwhile (`late`, for /metrics).
+
+A `no` to an `h` may say how long the refusal stands for the model's next requests (`l`,
+from the dispatch core's `Refusal.stands_s`, at most STANDS_MAX_S): meanwhile the front
+end answers them with it without asking (`StandingRefusals`), and tells the dispatch
+process within REPORT_S how many it refused so and how long each took (`lr`), to be
+counted as the dispatch process counts its own.
 `Dispatch` is the dispatch process's end, `Link` a front end's.
 """
 
@@ -51,6 +57,14 @@ from server.memory import TRIM_AFTER_BYTES, unfilled_bytes
 
 log = logging.getLogger("dstack.server")
 
+#: The longest a refusal at the header stands at a front end (`l`): the dispatch core's
+#: `stands_s` assumes the work ahead finishes no sooner than predicted, which holds for a
+#: few ms. (Under overload most of a model's requests come within one: at 4x, three in
+#: four are refused, and each front end asked about each of them.)
+STANDS_MAX_S = 0.005
+#: A front end tells the dispatch process what it refused within a standing refusal this
+#: long after the first (`lr`): /metrics and stats lag by no more.
+REPORT_S = 0.01
 #: A frame's head: the meta's length, the payload's length.
 HEAD = struct.Struct("<II")
 #: Bytes read from the link at once when no big payload is being filled.
@@ -165,6 +179,14 @@ def _refusal_meta(i: int, e: DStackError) -> dict[str, Any]:
             "ra": e.retry_after_s, "why": e.reason}
 
 
+def _standing_meta(i: int, e: DStackError) -> dict[str, Any]:
+    """`_refusal_meta` for a refusal at the header, with how long it stands (`l`)."""
+    meta = _refusal_meta(i, e)
+    if e.stands_s > 0:
+        meta["l"] = min(e.stands_s, STANDS_MAX_S)
+    return meta
+
+
 class Dispatch:
     """The dispatch process's end of the links: `app` (the one-process server's app, built
     by `server.main.build_app` without auth: the front ends check it) answers every
@@ -178,6 +200,8 @@ class Dispatch:
         self.late = self.metrics.frontends_late = Lateness()  # the front ends' loops
         self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
         self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
+        self.count_refused: Callable[[str, str, int], None] | None = getattr(
+            runtime, "count_refused", None)
         self.version = version
         self.hello: asyncio.Queue[int] = asyncio.Queue()  # pids of front ends ready
 
@@ -217,6 +241,8 @@ class _DispatchLink(FrameReader):
             model = self.holds.pop(meta["i"], None)
             if model is not None:
                 self._release(model)
+        elif k == "lr":
+            self._refused_standing(meta)
         elif k == "late":
             told = Lateness()
             told.counts, told.sum_s = meta["c"], meta["s"]
@@ -245,11 +271,23 @@ class _DispatchLink(FrameReader):
                 self.send({"k": "go", "i": i})
                 return
             self.d.failed(model, e, "header", meta["t"])
-            self.send(_refusal_meta(i, e))
+            self.send(_standing_meta(i, e) if self.d.count_refused is not None
+                      else _refusal_meta(i, e))
             return
         if self.d.release is not None:
             self.holds[i] = model
         self.send({"k": "go", "i": i})
+
+    def _refused_standing(self, meta: dict[str, Any]) -> None:
+        """`lr`: the front end refused `len(d)` requests for model `m` within a standing
+        refusal (`no` meta), each `d[j]` s after its first byte."""
+        model, e, took = meta["m"], error_of(meta), meta["d"]
+        if self.d.count_refused is not None and e.rule is not None:  # as ever with `l`
+            self.d.count_refused(model, e.rule, len(took))
+        now = time.monotonic()
+        for s in took:
+            self.d.failed(model, e, "header", now - s)
+        self.d.metrics.frontends_standing_refusals += len(took)
 
     def _check(self, meta: dict[str, Any]) -> None:
         i, model = meta["i"], meta["m"]
@@ -416,6 +454,52 @@ class SharedBodies:
             return None
         body = self.take(n)
         return None if body is None else (body, body.view)
+
+
+class StandingRefusals:
+    """A front end's refusals at the header that stand (`l` on a `no`): `stand(key, reply,
+    answer)` keeps one for `reply["l"]` s; `answer(key, received)` gives it to a request for
+    the same model and version meanwhile (None: ask), and has it told to the dispatch
+    process (`lr`, within REPORT_S), with the time from the request's first byte."""
+
+    def __init__(self, link: FrameReader) -> None:
+        self.link = link
+        self.standing: dict[tuple[str, str | None], tuple[float, Any, dict[str, Any]]] = {}
+        self.untold: dict[tuple[str, str | None], tuple[dict[str, Any], list[float]]] = {}
+
+    def stand(self, key: tuple[str, str | None], reply: dict[str, Any], answer: Any) -> None:
+        stands_s = reply.get("l")
+        if stands_s:
+            self.standing[key] = (time.monotonic() + stands_s, answer, reply)
+
+    def answer(self, key: tuple[str, str | None], received: float) -> Any:
+        got = self.standing.get(key)
+        if got is None:
+            return None
+        now = time.monotonic()
+        until, answer, reply = got
+        if now >= until:
+            del self.standing[key]
+            return None
+        if not self.untold:
+            asyncio.get_running_loop().call_later(REPORT_S, self.tell)
+        untold = self.untold.get(key)
+        if untold is None or untold[0] is not reply:
+            if untold is not None:  # the model's earlier refusal: told as it was
+                self._tell(key, *untold)
+            untold = self.untold[key] = (reply, [])
+        untold[1].append(now - received)
+        return answer
+
+    def tell(self) -> None:
+        """Tell the dispatch process what was refused within standing refusals."""
+        for key, (reply, took) in self.untold.items():
+            self._tell(key, reply, took)
+        self.untold.clear()
+
+    def _tell(self, key: tuple[str, str | None], reply: dict[str, Any], took: list[float]
+              ) -> None:
+        self.link.send({**reply, "k": "lr", "i": 0, "m": key[0], "d": took})
 
 
 #: What waits for the dispatch process's answer to one request: called with the answer's

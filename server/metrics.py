@@ -291,6 +291,11 @@ class _FrontEnds(Collector):
             "dstack_frontend_shared_bodies",
             "Infer bodies the front ends passed in shared memory (the others crossed the "
             "link: not binary, or no room)", value=self.metrics.frontends_shared_bodies)
+        yield CounterMetricFamily(
+            "dstack_frontend_standing_refusals",
+            "Infer requests a front end refused at the header within a refusal of the "
+            "dispatch process that still stood, without asking it (counted with the other "
+            "refusals too)", value=self.metrics.frontends_standing_refusals)
 
 
 _UNSUFFIXED = (
@@ -323,9 +328,11 @@ class Metrics:
             ["model", "stage"], buckets=LATE_BOUNDS_S, registry=self.registry)
         self._refusals_timed: dict[tuple[str, str], Any] = {}
         #: With front ends (`server.link`): their loop lateness, added up as they report
-        #: it, and how many bodies they passed in shared memory.
+        #: it, how many bodies they passed in shared memory, and how many requests they
+        #: refused within a standing refusal.
         self.frontends_late: Lateness | None = None
         self.frontends_shared_bodies = 0
+        self.frontends_standing_refusals = 0
         self.registry.register(_FrontEnds(self))
 
     def failed(self, model: str, e: DStackError, stage: str,

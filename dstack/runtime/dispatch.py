@@ -217,6 +217,11 @@ class Refusal:
     ticket: Ticket
     reason: object  # RefusalReason
     message: str
+    # How long from now the same refusal stands for the model's next requests (s): its
+    # predicted finish was this far past its deadline, and a later request's deadline is
+    # as much later while the work ahead of it finishes no sooner than predicted. 0 where
+    # no finish was predicted (`server.frontends` refuses within it without asking).
+    stands_s: cython.double = 0.0
 
 
 @cython.dataclasses.dataclass(frozen=True)
@@ -627,6 +632,16 @@ class _Core:
             st.holds.append(now + st.slo_s)
         return r
 
+    def count_refused(self, model: str, reason: str, n: int) -> None:
+        """`n` requests for `model` were refused by rule `reason` (a RefusalReason's
+        value) without asking: within a refusal that still stands (`Refusal.stands_s`).
+        Counted as `refuse_early` counts its refusals (a served model with replicas: on
+        its first)."""
+        group = self.groups.get(model) if self.groups else None
+        st: _Model = self._m[self.index[model] if group is None else group[0]]
+        st.counters.arrived += n
+        st.counters.refused[RefusalReason(reason).value] += n
+
     def release(self, model: str) -> None:
         """A request let through by `refuse_early(hold=True)` is back (to be admitted or
         refused, or gone): its hold ends (a model served by replicas: the hold of the
@@ -702,7 +717,7 @@ class _Core:
             if st.mates:  # its own work unknown: its lane mates' that goes first, at least
                 wait_s: cython.double = self._lane_start(st, t.deadline, now, 0.0)
                 if now + wait_s > t.deadline:
-                    return self._lane_refusal(st, t, model, wait_s)
+                    return self._lane_refusal(st, t, model, wait_s, now + wait_s - t.deadline)
         else:
             ahead: cython.longlong = queued
             full_batches: cython.longlong = ahead // cap
@@ -732,7 +747,7 @@ class _Core:
             if st.mates:
                 mates_s = self._lane_start(st, t.deadline, now, launch - now) - (launch - now)
                 if mates_s == _INF:  # its lane mates' load (no probe: see below)
-                    return self._lane_refusal(st, t, model, mates_s)
+                    return self._lane_refusal(st, t, model, mates_s, _INF)
                 launch += mates_s
             if ready > launch:  # its body is still being parsed when its batch could go
                 launch = ready
@@ -763,12 +778,15 @@ class _Core:
                               ) if ready - now >= 0.0005 else ""
                 first: str = (f" (and {1000 * mates_s:.1f} ms of work of the models that "
                               f"share its slice before it)") if mates_s > 0 else ""
+                # A finish behind work nears a later request's deadline `margin` times as
+                # fast as time passes (it scales the time from now).
                 return self._refusal(
                     st, t, RefusalReason.WORK_AHEAD,
                     f"model {model}: {ahead} items are queued ahead; at about "
                     f"{per_batch * 1000:.1f} ms per batch of {cap}{first} this request would "
                     f"finish {1000 * (finish - t.arrival):.1f} ms after arrival{parse}, over "
-                    f"its SLO of {st.spec.slo_s * 1000:g} ms")
+                    f"its SLO of {st.spec.slo_s * 1000:g} ms",
+                    (finish - t.deadline) / (st.margin if slow_end else 1.0))
         return None
 
     @cython.cfunc
@@ -851,9 +869,10 @@ class _Core:
         s = fixed / (1.0 - load)
         return s if s > lo else lo
 
-    def _lane_refusal(self, st: _Model, t: Ticket, model: str, wait_s: float) -> Refusal:
+    def _lane_refusal(self, st: _Model, t: Ticket, model: str, wait_s: float,
+                      over_s: float) -> Refusal:
         """The refusal of a request that its lane mates' work would keep from starting
-        for `wait_s` (_INF: never), past its deadline."""
+        for `wait_s` (_INF: never), `over_s` past its deadline."""
         if wait_s == _INF:
             first = ", ".join([self.names[j] for j, k in zip(st.mates, st.mate_kinds,
                                                              strict=True) if k == _ALL])
@@ -865,7 +884,7 @@ class _Core:
                    f"first would take {1000 * wait_s:.0f} ms")
         return self._refusal(st, t, RefusalReason.WORK_AHEAD,
                              f"model {model}: {why}; its turn would not come within its "
-                             f"SLO of {st.spec.slo_s * 1000:g} ms")
+                             f"SLO of {st.spec.slo_s * 1000:g} ms", over_s)
 
     @cython.cfunc
     def _route(self, group: list) -> cython.Py_ssize_t:
@@ -904,9 +923,10 @@ class _Core:
                 and now - st.last_done >= self.probe_s and now - st.probed_at >= self.probe_s)
 
     @cython.cfunc
-    def _refusal(self, st: _Model, t: Ticket, reason: object, message: str) -> Refusal:
+    def _refusal(self, st: _Model, t: Ticket, reason: object, message: str,
+                 stands_s: cython.double = 0.0) -> Refusal:
         st.counters.refused[reason.value] += 1
-        return Refusal(t, reason, message)
+        return Refusal(t, reason, message, stands_s)
 
     # ------------------------------------------------------------------ dispatch
 

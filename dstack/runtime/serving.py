@@ -121,11 +121,13 @@ class BatchRecord:
     worker_pid: int
 
 
-def refusal_error(reason: RefusalReason, message: str) -> DStackError:
-    """The 429 a refusal is answered with; `reason` names the rule (in the JSON body)."""
+def refusal_error(reason: RefusalReason, message: str, stands_s: float = 0.0) -> DStackError:
+    """The 429 a refusal is answered with; `reason` names the rule (in the JSON body);
+    `stands_s`, how long it stands for the model's next requests (`Refusal.stands_s`)."""
     err: DStackError = (Overloaded(message) if reason is RefusalReason.QUEUE_FULL
                         else DeadlineRefused(message))
     err.rule = reason.value
+    err.stands_s = stands_s
     return err
 
 
@@ -560,6 +562,18 @@ class Runtime:
         reads.append(seconds)
         self._body_s[model] = (sorted(reads)[len(reads) // 2], self._clock())
 
+    def count_refused(self, model: str, rule: str, n: int) -> None:
+        """`n` requests for `model` were refused by `rule` where a refusal of
+        `refuse_early` stood (`DStackError.stands_s`), without asking: counted as its
+        refusals are."""
+        if self.core is None:
+            return
+        self.core.count_refused(model, rule, n)
+        if self.replanner is not None:
+            now = self._clock()
+            for _ in range(n):
+                self.replanner.record(model, now)
+
     def release(self, model: str) -> None:
         """A request let through by `refuse_early(model, hold=True)` is back."""
         if self.core is not None:
@@ -583,7 +597,7 @@ class Runtime:
         if got is not None:
             if self.replanner is not None:
                 self.replanner.record(model, now)  # demand: counted as `infer` counts it
-            raise refusal_error(got.reason, got.message)
+            raise refusal_error(got.reason, got.message, got.stands_s)
 
     def _restarting(self, model: str) -> bool:
         """No worker of the model is ready and one is restarting."""

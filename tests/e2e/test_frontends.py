@@ -282,3 +282,81 @@ def test_a_body_still_arriving_past_its_deadline_is_refused_across_the_link(
         assert sum(late.counts) == 1
     finally:
         s.stop()
+
+
+def _burst(port: int, request: bytes, n: int) -> list[bytes]:
+    """`n` connections opened first, then the same request sent on each at once: the
+    answers (status line to body)."""
+    conns = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(n)]
+    try:
+        for c in conns:
+            c.sendall(request)
+        answers = []
+        for c in conns:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += c.recv(65536)
+            head, body = got.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+            while len(body) < length:
+                body += c.recv(65536)
+            answers.append(head + b"\r\n\r\n" + body)
+        return answers
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_process(
+        tmp_path: Path) -> None:
+    """Under a burst, a front end answers a model's requests with the dispatch process's
+    refusal while it stands (`server.link.StandingRefusals`), without asking: the client
+    reads the same 429, and stats and /metrics count every refusal once."""
+    s = launch({"policy": "shared", "server": {"frontends": 2},
+                "models": [{**TINY, "slo_ms": 15, "max_batch_size": 1,
+                            "max_queue_delay_ms": 0}]}, tmp_path)
+    try:
+        wait_ready(s)
+        for _ in range(5):  # batches enough for its latency estimate to refuse by
+            _post(s, _infer_json())
+        request = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                   f"{len(_infer_json())}\r\n\r\n").encode() + _infer_json()
+        refusals: list[bytes] = []
+        standing = 0.0
+        for _ in range(10):  # bursts until some refusal stood (the first does, as a rule)
+            answers = _burst(s.port, request, 60)
+            assert all(a.startswith((b"HTTP/1.1 200", b"HTTP/1.1 429")) for a in answers)
+            refusals += [a for a in answers if a.startswith(b"HTTP/1.1 429")]
+            time.sleep(0.1)  # what stood is told within REPORT_S
+            standing = _counter(s, "dstack_frontend_standing_refusals_total")
+            if standing:
+                break
+        assert standing > 0
+        reasons: dict[str, int] = {}
+        for a in refusals:
+            head, body = a.split(b"\r\n\r\n", 1)
+            assert b"content-type: application/json" in head.lower()
+            assert b"server-timing: total;dur=" in head.lower()
+            reason = json.loads(body)["reason"]
+            reasons[reason] = reasons.get(reason, 0) + 1
+        assert set(reasons) <= {"work_ahead", "expired"}, reasons  # (a request queued late)
+        text = _get_text(s, "/metrics")
+        header = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",
+                                  stage="header")
+        body = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn", stage="body")
+        assert sum(header.counts) + sum(body.counts) == len(refusals)
+        stats = json.loads(_get_text(s, "/v2/models/tiny_cnn/stats"))
+        assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == len(refusals)
+        for reason, k in reasons.items():
+            m = re.search(rf'^dstack_request_refused_by_rule\{{[^}}]*rule="{reason}"[^}}]*\}} '
+                          r"(\S+)$", text, re.M)
+            assert m is not None and float(m.group(1)) == k, (reason, k)
+        assert standing <= reasons.get("work_ahead", 0)
+    finally:
+        s.stop()
+
+
+def _counter(srv: ServerProcess, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", _get_text(srv, "/metrics"), re.M)
+    assert m is not None, name
+    return float(m.group(1))

@@ -764,3 +764,29 @@ def test_a_request_let_through_with_a_hold_counts_as_queued_until_released_or_la
     assert core.refuse_early(A, 1, 0.0) is None
     assert core.refuse_early(A, 1, 0.101) is None  # the holds lapsed with the SLO
     core.release("no such model")  # nothing to give back: ignored
+
+
+def test_a_refusal_by_work_ahead_stands_as_long_as_the_core_would_repeat_it() -> None:
+    """A front end answers a model's next requests with a refusal while it stands
+    (`Refusal.stands_s`, `server.link.StandingRefusals`): the core itself must refuse a
+    request that comes within that time, and take one that comes just after it."""
+    core = core_for(estimates={A: trusted(0.04)})
+    for _ in range(8):
+        assert isinstance(core.admit(A, 1, 0.0), Ticket)
+    assert [b.n for b in core.step(0.0).launches] == [4]  # 4 run, 4 wait
+    r = core.refuse_early(A, 1, 0.0)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert 0.0 < r.stands_s < 0.1
+    within = core.refuse_early(A, 1, 0.95 * r.stands_s)
+    assert isinstance(within, Refusal) and within.reason is RefusalReason.WORK_AHEAD
+    assert core.refuse_early(A, 1, 1.05 * r.stands_s) is None
+    # Refusals counted without asking (a front end's, within one) count as the core's do.
+    c = core.counters(A)
+    refused, arrived = c.refused["work_ahead"], c.arrived
+    core.count_refused(A, "work_ahead", 3)
+    assert (c.refused["work_ahead"], c.arrived) == (refused + 3, arrived + 3)
+    # A refusal with no predicted finish (a full queue) does not stand.
+    full = core_for(max_queue=1)
+    assert isinstance(full.admit(A, 1, 0.0), Ticket)
+    q = full.refuse_early(A, 1, 0.0)
+    assert isinstance(q, Refusal) and q.reason is RefusalReason.QUEUE_FULL and q.stands_s == 0

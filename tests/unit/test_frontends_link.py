@@ -1,13 +1,25 @@
 """The link between a front end and the dispatch process (`server.link`): frames come
 out whole and in order however the bytes are cut into reads, small ones many per read and
-big payloads straight into their own buffer."""
+big payloads straight into their own buffer; bodies in shared memory; refusals that stand
+at a front end, and their counting by the dispatch process."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from types import SimpleNamespace
 from typing import Any
 
-from server.link import READ_BYTES, FrameReader, SharedBodies, frame
+from server.link import (
+    READ_BYTES,
+    REPORT_S,
+    FrameReader,
+    SharedBodies,
+    StandingRefusals,
+    _DispatchLink,
+    frame,
+)
 
 
 class _Collect(FrameReader):
@@ -128,3 +140,63 @@ def test_a_big_shared_body_gives_its_pages_back_once_freed() -> None:
     body.free()  # as one process trims after a big body, so does a front end
     assert os.fstat(bodies.fd).st_blocks * 512 < 1 << 20
 
+
+
+class _Sent(FrameReader):
+    """A link end that keeps what it sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> None:
+        self.sent.append(meta)
+
+    def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None: ...
+
+
+def test_a_standing_refusal_answers_the_models_requests_until_it_lapses_and_is_told() -> None:
+    link = _Sent()
+    standing = StandingRefusals(link)
+    key, other = ("m", None), ("n", None)
+    no = {"k": "no", "i": 7, "s": 429, "e": "model m: work ahead", "r": "work_ahead",
+          "ra": None, "why": "deadline", "l": 0.05}
+    answer = (429, [], b'{"error": "model m: work ahead"}')
+
+    async def go() -> None:
+        assert standing.answer(key, time.monotonic()) is None  # nothing stands yet
+        standing.stand(key, no, answer)
+        standing.stand(other, {**no, "l": None}, answer)  # says nothing of standing
+        received = time.monotonic() - 0.002
+        assert standing.answer(key, received) is answer
+        assert standing.answer(key, time.monotonic()) is answer
+        assert standing.answer(other, time.monotonic()) is None
+        assert link.sent == []  # told within REPORT_S, together
+        await asyncio.sleep(2 * REPORT_S)
+        [told] = link.sent
+        assert (told["k"], told["m"], told["r"], told["s"], told["e"]) == (
+            "lr", "m", "work_ahead", 429, "model m: work ahead")
+        assert len(told["d"]) == 2 and told["d"][0] >= 0.002
+        await asyncio.sleep(0.05)
+        assert standing.answer(key, time.monotonic()) is None  # lapsed: ask again
+
+    asyncio.run(go())
+
+
+def test_refusals_told_by_a_front_end_are_counted_as_the_dispatch_process_counts_its_own(
+        ) -> None:
+    counted: list[tuple[str, str, int]] = []
+    failed: list[tuple[str, int, str, float]] = []
+    metrics = SimpleNamespace(frontends_standing_refusals=0)
+    d = SimpleNamespace(count_refused=lambda m, r, n: counted.append((m, r, n)),
+                        failed=lambda m, e, stage, at: failed.append(
+                            (m, e.status_code, stage, time.monotonic() - at)),
+                        metrics=metrics)
+    end = _DispatchLink(d)  # type: ignore[arg-type]
+    end.on_frame({"k": "lr", "i": 0, "m": "m", "s": 429, "e": "model m: work ahead",
+                  "r": "work_ahead", "ra": None, "why": "deadline", "d": [0.001, 0.003]}, b"")
+    assert counted == [("m", "work_ahead", 2)]
+    assert [f[:3] for f in failed] == [("m", 429, "header")] * 2
+    # each timed as the front end timed it, from its first byte to its refusal
+    assert 0.001 <= failed[0][3] < 0.05 and 0.003 <= failed[1][3] < 0.05
+    assert metrics.frontends_standing_refusals == 2
