@@ -22,8 +22,9 @@ that ends before its body was sent (a 413, a client gone) gives its hold back (`
 Every other route goes whole as `x` and is answered by the dispatch process's app. Each
 second a front end tells how late its loop's timer fired meanwhile (`late`, for /metrics).
 
-A `no` to an `h` may say how long the refusal stands for the model's next requests (`l`,
-from the dispatch core's `Refusal.stands_s`, at most STANDS_MAX_S): meanwhile the front
+A `no` to an `h` may say until when the refusal stands for the model's next requests (`l`,
+`time.monotonic()` there, which the processes of one host share: the dispatch core's
+`Refusal.stands_s` from when it was decided, at most STANDS_MAX_S): meanwhile the front
 end answers them with it without asking (`StandingRefusals`), and tells the dispatch
 process within REPORT_S how many it refused so and how long each took (`lr`), to be
 counted as the dispatch process counts its own.
@@ -180,10 +181,11 @@ def _refusal_meta(i: int, e: DStackError) -> dict[str, Any]:
 
 
 def _standing_meta(i: int, e: DStackError) -> dict[str, Any]:
-    """`_refusal_meta` for a refusal at the header, with how long it stands (`l`)."""
+    """`_refusal_meta` for a refusal at the header just decided, with until when it stands
+    (`l`)."""
     meta = _refusal_meta(i, e)
     if e.stands_s > 0:
-        meta["l"] = min(e.stands_s, STANDS_MAX_S)
+        meta["l"] = time.monotonic() + min(e.stands_s, STANDS_MAX_S)
     return meta
 
 
@@ -458,7 +460,7 @@ class SharedBodies:
 
 class StandingRefusals:
     """A front end's refusals at the header that stand (`l` on a `no`): `stand(key, reply,
-    answer)` keeps one for `reply["l"]` s; `answer(key, received)` gives it to a request for
+    answer)` keeps one until `reply["l"]`; `answer(key, received)` gives it to a request for
     the same model and version meanwhile (None: ask), and has it told to the dispatch
     process (`lr`, within REPORT_S), with the time from the request's first byte."""
 
@@ -468,9 +470,9 @@ class StandingRefusals:
         self.untold: dict[tuple[str, str | None], tuple[dict[str, Any], list[float]]] = {}
 
     def stand(self, key: tuple[str, str | None], reply: dict[str, Any], answer: Any) -> None:
-        stands_s = reply.get("l")
-        if stands_s:
-            self.standing[key] = (time.monotonic() + stands_s, answer, reply)
+        until = reply.get("l")
+        if until is not None:
+            self.standing[key] = (until, answer, reply)
 
     def answer(self, key: tuple[str, str | None], received: float) -> Any:
         got = self.standing.get(key)

@@ -160,13 +160,13 @@ def test_a_standing_refusal_answers_the_models_requests_until_it_lapses_and_is_t
     standing = StandingRefusals(link)
     key, other = ("m", None), ("n", None)
     no = {"k": "no", "i": 7, "s": 429, "e": "model m: work ahead", "r": "work_ahead",
-          "ra": None, "why": "deadline", "l": 0.05}
+          "ra": None, "why": "deadline"}
     answer = (429, [], b'{"error": "model m: work ahead"}')
 
     async def go() -> None:
         assert standing.answer(key, time.monotonic()) is None  # nothing stands yet
-        standing.stand(key, no, answer)
-        standing.stand(other, {**no, "l": None}, answer)  # says nothing of standing
+        standing.stand(key, {**no, "l": time.monotonic() + 0.05}, answer)
+        standing.stand(other, no, answer)  # says nothing of standing
         received = time.monotonic() - 0.002
         assert standing.answer(key, received) is answer
         assert standing.answer(key, time.monotonic()) is answer
