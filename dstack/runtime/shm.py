@@ -10,13 +10,21 @@ computes from the other (`dstack.runtime.staging`); without it every batch uses 
 A small header before the halves holds, per half, how many input rows the dispatcher has
 written so far for the next batch from it (`staged_rows`): a CUDA worker copies those rows
 to the device while the batch before it computes (`dstack.runtime.upload`).
+
+The block is a memory file of the process that makes it (`memfd_create`), which a worker
+opens by its path in /proc and maps: it has no name in /dev/shm, so however the processes
+end (a kill -9 of the server's process group, a Ray node removed) its memory is the OS's
+again once the last of them is gone. (A `multiprocessing.shared_memory` block, named in
+/dev/shm, stayed there whenever its maker and its resource tracker were killed together:
+one per such model on every removed Ray node in the cluster test.)
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import os
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -81,17 +89,28 @@ class ArenaLayout:
 
 
 class Arena:
-    """A shared block laid out by `ArenaLayout`. The creator owns (unlinks) it."""
+    """A shared block laid out by `ArenaLayout` (module docstring). Made without `name`: a
+    new memory file of this process, `name` the path another process opens it by while
+    this one keeps it; with `name`: that block, mapped."""
 
     def __init__(self, layout: ArenaLayout, name: str | None = None) -> None:
         self.layout = layout
-        self._owner = name is None
+        self._fd: int | None = None  # the maker's memory file, open while the arena lives
         if name is None:
-            self.shm = shared_memory.SharedMemory(create=True, size=layout.total_nbytes)
+            fd = self._fd = os.memfd_create("dstack-arena", os.MFD_CLOEXEC)
+            os.ftruncate(fd, layout.total_nbytes)
+            name = f"/proc/{os.getpid()}/fd/{fd}"
         else:
-            self.shm = shared_memory.SharedMemory(name=name)
-        self.name = self.shm.name
-        self._staged = np.ndarray((HALVES,), dtype=np.int64, buffer=self.shm.buf)
+            fd = os.open(name, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.buf = mmap.mmap(fd, layout.total_nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd is None:
+            os.close(fd)  # the mapping keeps the block
+        self.name = name
+        self._staged = np.ndarray((HALVES,), dtype=np.int64, buffer=self.buf)
         # Per half, each region's whole view (max_batch rows), made once: a batch's views
         # are slices of them (every batch asks for its inputs and outputs, in both
         # processes; a view made from the buffer each time cost several us).
@@ -100,7 +119,7 @@ class Arena:
 
     def _views(self, regions: tuple[Region, ...], half: int) -> list[tuple[str, np.ndarray]]:
         return [(r.name, np.ndarray((self.layout.max_batch, *r.item_shape),
-                                    dtype=np.dtype(r.dtype), buffer=self.shm.buf,
+                                    dtype=np.dtype(r.dtype), buffer=self.buf,
                                     offset=_HEADER + half * self.layout.nbytes + r.offset))
                 for r in regions]
 
@@ -131,12 +150,10 @@ class Arena:
         # Drop the views of the block (close() fails while one lives); a count stays.
         self._staged = np.zeros(HALVES, dtype=np.int64)
         self._ins = self._outs = []
+        if self._fd is not None:  # no new process can open it now
+            os.close(self._fd)
+            self._fd = None
         try:
-            self.shm.close()
-        except BufferError:  # a view is still alive somewhere; the OS reclaims at exit
-            return
-        if self._owner:
-            try:
-                self.shm.unlink()
-            except FileNotFoundError:
-                pass
+            self.buf.close()
+        except BufferError:  # a view is still alive somewhere; unmapped at exit
+            pass

@@ -69,7 +69,7 @@ class CudaInputs:
                     for _ in range(HALVES)]
         self.copied = [0] * HALVES  # rows of each half already on the device
         self._ptr = 0
-        c = ctypes.c_char.from_buffer(arena.shm.buf)
+        c = ctypes.c_char.from_buffer(arena.buf)
         ptr = ctypes.addressof(c)
         del c  # its export of the buffer would keep the arena from closing
         err = torch.cuda.cudart().cudaHostRegister(ptr, lay.total_nbytes, 0)

@@ -146,3 +146,30 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
                 proc.kill()
                 proc.wait(10)
 
+
+
+def test_a_server_killed_with_its_whole_process_group_leaves_no_shared_memory(
+        tmp_path: Path) -> None:
+    """Its workers' arenas are memory files of the server process, named nowhere: a kill
+    -9 of the server, its workers and its resource tracker together (as when a Ray node
+    is removed) leaves nothing in /dev/shm, where named blocks stayed until a reboot."""
+    before = set(os.listdir("/dev/shm"))
+    srv = launch({"policy": "shared", "models": [TINY, {**TINY, "name": "tiny_b",
+                                                        "zoo_name": "tiny_cnn"}]}, tmp_path)
+    try:
+        wait_ready(srv)
+        req = urllib.request.Request(f"http://{srv.url}{INFER}", data=_infer_json(),
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        arenas = {f.stat().st_ino for f in Path(f"/proc/{srv.pid}/fd").iterdir()
+                  if os.readlink(f).startswith("/memfd:dstack-arena")}
+        assert len(arenas) == 2  # one per worker, open in the server process
+        workers = [int(p) for p in (Path(f"/proc/{srv.pid}/task") / str(srv.pid) /
+                                    "children").read_text().split()]
+    finally:
+        srv.kill()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(os.listdir("/dev/shm")) - before == set()
