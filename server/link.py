@@ -39,7 +39,6 @@ import bisect
 import itertools
 import logging
 import mmap
-import os
 import socket
 import struct
 import time
@@ -52,6 +51,7 @@ from starlette.types import Message
 
 from dstack.common.errors import DStackError, Unavailable
 from dstack.common.pauses import Lateness
+from dstack.runtime.shm import memory_file
 from server.connection import RECEIVED_AT
 from server.early import HELD, INFER_PATH
 from server.memory import TRIM_AFTER_BYTES, unfilled_bytes
@@ -395,18 +395,12 @@ class SharedBodies:
     def __init__(self, size: int) -> None:
         self.size = size
         self.enabled = False  # until the dispatch process says it has mapped it (`shm`)
-        self.fd = os.memfd_create("dstack-bodies", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self.map = mmap.mmap(self.fd, size)
+        self.fd, self.path = memory_file("dstack-bodies", size)  # `path`: where the
+        self.map = mmap.mmap(self.fd, size)  # dispatch process opens it (`map`)
         self.view = memoryview(self.map)
         self.free_at: list[int] = [0]  # starts of the free runs, in order
         self.free_len: list[int] = [size]
         self.used: dict[int, int] = {}  # start -> length of each body given out
-
-    @property
-    def path(self) -> str:
-        """Where the dispatch process opens it (`map`)."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     @staticmethod
     def map(path: str, size: int) -> memoryview:

@@ -88,6 +88,14 @@ class ArenaLayout:
         return cls(spec.max_batch_size, ins, outs, max(offset, _ALIGN))
 
 
+def memory_file(name: str, size: int) -> tuple[int, str]:
+    """A new memory file (`memfd_create`) of `size` bytes: its descriptor, and the path in
+    /proc another process of this host opens it by while this one keeps the descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd, f"/proc/{os.getpid()}/fd/{fd}"
+
+
 class Arena:
     """A shared block laid out by `ArenaLayout` (module docstring). Made without `name`: a
     new memory file of this process, `name` the path another process opens it by while
@@ -97,9 +105,8 @@ class Arena:
         self.layout = layout
         self._fd: int | None = None  # the maker's memory file, open while the arena lives
         if name is None:
-            fd = self._fd = os.memfd_create("dstack-arena", os.MFD_CLOEXEC)
-            os.ftruncate(fd, layout.total_nbytes)
-            name = f"/proc/{os.getpid()}/fd/{fd}"
+            fd, name = memory_file("dstack-arena", layout.total_nbytes)
+            self._fd = fd
         else:
             fd = os.open(name, os.O_RDWR | os.O_CLOEXEC)
         try:
