@@ -44,12 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--cores", type=int, nargs="*", help="default: every core this process may use")
     args = p.parse_args(argv)
-    cores = args.cores or sorted(os.sched_getaffinity(0))
+    if args.seconds < 1:
+        p.error(f"--seconds {args.seconds:g}: at least 1")
+    mine = sorted(os.sched_getaffinity(0))
+    cores = args.cores or mine
+    if not set(cores) <= set(mine):
+        p.error(f"--cores {' '.join(map(str, cores))}: this process may use cores "
+                f"{' '.join(map(str, mine))}")
     out: mp.Queue = mp.Queue()
     procs = [mp.Process(target=_probe, args=(c, args.seconds, out)) for c in cores]
     for pr in procs:
         pr.start()
-    rows = dict(out.get() for _ in procs)
+    rows = dict(out.get(timeout=args.seconds + 60) for _ in procs)
     for pr in procs:
         pr.join()
     for c in cores:
