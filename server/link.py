@@ -395,8 +395,9 @@ class SharedBodies:
     def __init__(self, size: int) -> None:
         self.size = size
         self.enabled = False  # until the dispatch process says it has mapped it (`shm`)
-        self.fd, self.path = memory_file("dstack-bodies", size)  # `path`: where the
-        self.map = mmap.mmap(self.fd, size)  # dispatch process opens it (`map`)
+        # `path`: where the dispatch process opens it (`map`)
+        self.fd, self.path = memory_file("dstack-bodies", size)
+        self.map = mmap.mmap(self.fd, size)
         self.view = memoryview(self.map)
         self.free_at: list[int] = [0]  # starts of the free runs, in order
         self.free_len: list[int] = [size]

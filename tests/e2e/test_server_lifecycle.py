@@ -147,7 +147,6 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
                 proc.wait(10)
 
 
-
 def test_a_server_killed_with_its_whole_process_group_leaves_no_shared_memory(
         tmp_path: Path) -> None:
     """Its workers' arenas are memory files of the server process, named nowhere: a kill
