@@ -169,7 +169,7 @@ class ClusterController:
         self._event("node_dead", node=name, why=why, models=lost)
         for m in lost:
             if not self.backend.holders(m):
-                self.backend.moving[m] = f"its node {name} is down ({why}); re-placing it"
+                self.backend.lost(m, f"its node {name} went down: {why}")
         self._spawn(self.deployer.remove(name))
         if self.cfg.ingress.replace_dead and any(not n.dead for n in self.backend.nodes.values()):
             await self.replace(None, f"node {name} died")
@@ -222,9 +222,7 @@ class ClusterController:
         for name, copies in started.items():
             self.copies[name] = copies
             b.nodes[name].serving = set(copies)
-        for m in list(b.moving):
-            if b.holders(m):
-                del b.moving[m]
+        b.routes_changed()
         # 2. Switch, 3. stop: a node gives up a model once another node serves it.
         async def shrink(s: NodeSpec) -> None:
             node = b.nodes[s.name]
@@ -257,6 +255,7 @@ class ClusterController:
         node = self.backend.nodes[s.name]
         models = [m.name for m in cfg.models] if cfg is not None else []
         profs = self.planner.node_profiles(s.kind, models) if models else None
+        t0 = self.clock()
         try:
             await asyncio.wait_for(
                 node.client.configure(cfg.model_dump(mode="json") if cfg is not None else None,
@@ -267,6 +266,8 @@ class ClusterController:
             self._event("configure_failed", node=s.name, models=models,
                         error=f"{type(e).__name__}: {e}"[:300])
             return False
+        if models:  # what a model placed again waits for (the 503s' Retry-After)
+            self.backend.start_s = self.clock() - t0
         self._event("configured", node=s.name, models=models)
         return True
 

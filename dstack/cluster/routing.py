@@ -11,6 +11,10 @@
   `retry_min_slo_fraction` of its SLO is left. A node that answers `MISSING` (the model
   moved away a moment ago) is skipped without counting as a failure or as the retry.
 - With no node left: 503 (504 after a timeout) naming each node tried and what happened.
+- While no live node serves a model (its node died and it is being placed again): 503
+  with the rule `no_node` and a `Retry-After` of what a node's start took last, less the
+  time since, before the body is read (`check_admission`); counted as failures, so that
+  the stats and `/metrics` agree, and logged once per outage, when it ends.
 - A refusal (429) or a bad request from a node is an answer, passed on as is.
 - Arrivals per model feed a `RateTracker` (the controller re-places when rates drift).
 - Counters (`stats`, per-node `snapshots`) are the nodes' own, fetched by `refresh`.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -37,6 +42,19 @@ from dstack.common.types import ModelSpec, Plan, Schedule
 from dstack.runtime.adapt import RateTracker
 
 log = logging.getLogger("dstack.cluster")
+
+
+#: The rule a request is refused by while no live node serves its model (503).
+NO_NODE = "no_node"
+
+
+@dataclass
+class Outage:
+    """A model that no live node serves, from `since` (the backend's clock), and why."""
+
+    since: float
+    why: str
+    refused: int = 0  # requests answered 503 meanwhile
 
 
 class NodeTimeout(Unavailable):
@@ -106,7 +124,8 @@ class ClusterBackend:
         self.tracker = RateTracker(list(self.specs), alpha=cfg.adapt.ewma_alpha)
         self.clock = clock
         self.on_node_error: Callable[[str], None] = lambda node: None
-        self.moving: dict[str, str] = {}  # model -> why it has no node now (for the 503)
+        self.outages: dict[str, Outage] = {}  # models no live node serves now
+        self.start_s: float | None = None  # how long a node's start took last (controller)
         self.failed: dict[str, int] = {}  # requests that failed here (no node answered)
         entry = cfg.nodes[0]
         self._deploy = DeployConfig(device=entry.device, policy=cfg.policy,
@@ -134,6 +153,42 @@ class ClusterBackend:
     def is_ready(self) -> bool:
         return all(self.is_model_ready(m) for m in self.specs)
 
+    def lost(self, model: str, why: str) -> None:
+        """No live node serves `model` from now (`why`), until `routes_changed` sees one."""
+        self.outages.setdefault(model, Outage(self.clock(), why))
+
+    def routes_changed(self) -> None:
+        """The controller changed what the nodes serve: an outage ends (one log line, with
+        what it cost) for each model a live node serves again."""
+        for model, out in list(self.outages.items()):
+            nodes = [n.name for n in self.holders(model)]
+            if nodes:
+                del self.outages[model]
+                log.log(logging.WARNING if out.refused else logging.INFO,
+                        "model %s: served again by %s, %.1f s after %s; meanwhile %d "
+                        "requests were refused (503 %s)", model, ", ".join(nodes),
+                        self.clock() - out.since, out.why, out.refused, NO_NODE)
+
+    def check_admission(self, model: str) -> None:
+        """Before a request's body is read: while no live node serves `model`, raise the
+        503 (`NO_NODE`) it is answered with, counted here and logged once per outage."""
+        self.spec(model)
+        if not self.holders(model):
+            raise self._no_node(model)
+
+    def _no_node(self, model: str) -> Unavailable:
+        now = self.clock()
+        out = self.outages.setdefault(model, Outage(now, "placed on no live node"))
+        out.refused += 1
+        self.failed[model] = self.failed.get(model, 0) + 1
+        left = max(1.0, (self.start_s or 0.0) - (now - out.since))
+        err = Unavailable(f"model {model}: no node serves it now ({out.why}); retry after "
+                          f"{math.ceil(left)} s")
+        err.rule = NO_NODE
+        err.retry_after_s = left
+        err.logged = True  # once per outage, when it ends (`routes_changed`)
+        return err
+
     def is_model_ready(self, model: str) -> bool:
         self.spec(model)
         return bool(self.holders(model))
@@ -152,7 +207,10 @@ class ClusterBackend:
         tried: list[str] = []
         attempts = 0
         timed_out = False
-        for node in self.holders(model):
+        holders = self.holders(model)
+        if not holders:
+            raise self._no_node(model)
+        for node in holders:
             left = deadline - self.clock()
             if attempts >= 2 or (attempts == 1 and left < retry_left_s) or left <= 0:
                 break
@@ -169,9 +227,10 @@ class ClusterBackend:
             timed_out = timed_out or what == "timeout"
             tried.append(f"{node.name} ({what})")
         self.failed[model] = self.failed.get(model, 0) + 1
-        if not tried:
-            why = self.moving.get(model, "placed on no live node")
-            raise Unavailable(f"model {model}: no node serves it now ({why})")
+        if not tried:  # it waited past its call timeout before reaching here
+            raise NodeTimeout(f"model {model}: its call timeout "
+                              f"({self.call_timeout_s(model) * 1000:.0f} ms) ran out before "
+                              "a node was called")
         msg = f"model {model}: no node could answer (tried {'; '.join(tried)})"
         raise NodeTimeout(msg) if timed_out else Unavailable(msg)
 

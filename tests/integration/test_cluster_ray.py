@@ -141,6 +141,8 @@ class Load:
                 try:
                     r = http.post(f"http://{self.url}/v2/models/{model}/infer", json=BODY)
                     code, text = r.status_code, r.text[:200]
+                    if "retry-after" in r.headers:
+                        text = f"(retry after {r.headers['retry-after']} s) {text}"
                 except httpx.HTTPError as e:
                     code, text = -1, repr(e)
                 with self.lock:
@@ -279,13 +281,26 @@ def test_a_removed_node_is_replaced_and_no_request_hangs(ingress: Ingress) -> No
     assert next(n for n in v["nodes"] if n["name"] == victim["name"])["dead"]
     assert sorted(v["serving"][survivor]) == sorted(MODELS), v["events"]
     # Requests in flight on the dead node fail fast with 5xx naming it; those sent while
-    # its models had no node are refused at once (503, not ready); none hangs (each call
-    # is bounded by its SLO).
+    # its models had no node are refused at once with a time to retry after (503
+    # no_node); none hangs (each call is bounded by its SLO).
     for e in load.errors:
         assert " 503 " in e or " 504 " in e, e
-        assert f"tried {victim['name']} " in e or "is not ready" in e, e
+        if "no node serves it now" in e:
+            assert "(retry after " in e and f"its node {victim['name']} went down" in e, e
+        else:
+            assert f"tried {victim['name']} " in e, e
     assert load.slowest_s < 10
     import httpx
+
+    # every failure counted once, in the stats as in /metrics
+    text = httpx.get(f"http://{ingress.url}/metrics", timeout=10).text
+    for m in MODELS:
+        stats = httpx.get(f"http://{ingress.url}/v2/models/{m}/stats", timeout=10).json()
+        failed = stats["model_stats"][0]["inference_stats"]["fail"]["count"]
+        in_metrics = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("nv_inference_request_failure{")
+                         and f'model="{m}"' in line)
+        assert failed == in_metrics, (m, failed, in_metrics)
 
     for m in MODELS:
         r = httpx.post(f"http://{ingress.url}/v2/models/{m}/infer", json=BODY, timeout=30)

@@ -7,6 +7,7 @@ tests/integration/test_cluster_ray.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from dstack.cluster.config import parse_cluster
 from dstack.cluster.control import ClusterController
 from dstack.cluster.node import NodeReply, NodeServer, NodeSnapshot
-from dstack.cluster.routing import NodeTimeout
+from dstack.cluster.routing import NO_NODE, NodeTimeout
 from dstack.common.backend import ModelStats
 from dstack.common.config import DeployConfig
 from dstack.common.errors import Unavailable
@@ -251,6 +252,48 @@ def test_a_dead_node_is_replaced_and_nothing_hangs() -> None:
         events = [e["event"] for e in ctl.events]
         assert "node_dead" in events
         run.cancel()
+        await ctl.stop()
+
+    asyncio.run(main())
+
+
+def test_while_no_node_serves_a_model_it_is_refused_with_retry_after_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        ctl, dep = await started()
+        b = ctl.backend
+        assert b.start_s is not None and b.start_s > 0  # the nodes' starts were timed
+        b.start_s = 4.2  # as if a start took that long
+        dep.nodes["a"].dead = True
+        gone = asyncio.create_task(ctl.node_died("a", "its Ray node is gone"))
+        await asyncio.sleep(0.01)  # a is out of the routing; b is starting mob and tiny_a
+        assert b.holders("mob") == [] and not gone.done()
+        refusals = []
+        for _ in range(5):
+            with pytest.raises(Unavailable) as e:
+                b.check_admission("mob")  # before its body is read
+            refusals.append(e.value)
+        with pytest.raises(Unavailable) as e:
+            await b.infer("mob", X)  # one that got past the check a moment before
+        refusals.append(e.value)
+        for err in refusals:
+            assert err.status_code == 503 and err.rule == NO_NODE and err.refusal
+            assert "no node serves it now (its node a went down: its Ray node is gone)" in (
+                err.message)
+            assert 4.0 < err.retry_after_s <= 4.2  # the last start's time, less the time since
+            assert err.logged  # not once per request
+        b.check_admission("tiny_b")  # b still serves it
+        with caplog.at_level(logging.INFO, logger="dstack.cluster"):
+            await gone
+        assert (await b.infer("mob", X))["output"].shape == (1, 3, 32, 32)
+        b.check_admission("mob")
+        ended = [r.getMessage() for r in caplog.records if "served again" in r.getMessage()]
+        assert len(ended) == 2, ended  # one line for each model, with what it cost
+        mob = next(m for m in ended if m.startswith("model mob:"))
+        assert "by b" in mob and "meanwhile 6 requests were refused (503 no_node)" in mob
+        await b.refresh()
+        assert b.stats("mob").request_failure == 6  # as the HTTP layer counts them
+        assert b.stats("mob").request_success == 1
         await ctl.stop()
 
     asyncio.run(main())
