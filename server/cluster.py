@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from dstack.cluster.config import ClusterConfig
 from dstack.cluster.control import ClusterController
 from dstack.cluster.routing import ClusterBackend
 from server.app import create_app
+from server.main import guard
 
 log = logging.getLogger("dstack.cluster")
 
@@ -103,12 +105,16 @@ class _RefreshFirst:
         await self.app(scope, receive, send)
 
 
-def cluster_app(controller: ClusterController, *, lifespan: Any = None) -> FastAPI:
-    """The ingress app over `controller.backend` (module docstring). `lifespan`: starts and
-    stops the controller (None: the caller does)."""
+def cluster_app(controller: ClusterController, *, lifespan: Any = None,
+                auth_token: str | None = None) -> FastAPI:
+    """The ingress app over `controller.backend` (module docstring), behind the limits of
+    `dstack serve` (`server.main.guard`: body limits and budget, and, given `auth_token`,
+    bearer authentication). `lifespan`: starts and stops the controller (None: the caller
+    does)."""
     backend = controller.backend
-    app = create_app(backend, max_body_bytes=controller.cfg.server.max_body_bytes,
-                     lifespan=lifespan, title="dstack cluster")
+    s = controller.cfg.server
+    app = create_app(backend, max_body_bytes=s.max_body_bytes, lifespan=lifespan,
+                     title="dstack cluster")
     app.state.metrics.registry.register(NodeCollector(backend))
     app.add_middleware(_RefreshFirst, backend=backend)
 
@@ -116,7 +122,7 @@ def cluster_app(controller: ClusterController, *, lifespan: Any = None) -> FastA
     async def cluster() -> dict[str, Any]:
         return controller.view()
 
-    return app
+    return guard(app, backend, s, auth_token)
 
 
 class ControllerRun:
@@ -145,34 +151,44 @@ class ControllerRun:
 
 def serve_cluster(cfg: ClusterConfig, *, host: str | None = None, port: int | None = None
                   ) -> int:
-    """`dstack cluster serve`: Ray, the node deployments, then the ingress until Ctrl-C."""
+    """`dstack cluster serve`: Ray, the node deployments, then the ingress until SIGINT or
+    SIGTERM (both drain, exit 0); a start-up error is one line on stderr and exit 2, as
+    `dstack serve` (`server.main.run_until_stopped`)."""
     from dstack.cluster.serving import loopback_ray_env
 
     loopback_ray_env(cfg)  # before Ray is imported
     from dstack.cluster.planning import ClusterPlanner
     from dstack.cluster.serving import RayDeployer, start_ray, stop_ray
+    from server.auth import load_token
     from server.connection import server_config
-    from server.main import _Serving, bind
+    from server.main import _Serving, listen, run_until_stopped
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    host = host or cfg.server.host
-    port = cfg.server.port if port is None else port
-    sock = bind(host, port)
-    start_ray(cfg)
-    try:
+    logging.basicConfig(level=cfg.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ray_started = False
+
+    def prepare() -> tuple[_Serving, socket.socket]:
+        nonlocal ray_started
+        at = host or cfg.server.host
+        token = load_token(cfg.server)
+        sock = listen(at, cfg.server.port if port is None else port, cfg.server, token)
+        start_ray(cfg)
+        ray_started = True
         planner = ClusterPlanner(cfg)
         controller = ClusterController(cfg, RayDeployer(cfg, planner), planner=planner)
-        app = cluster_app(controller)
+        app = cluster_app(controller, auth_token=token)
 
         def ready() -> None:
-            log.info("dstack cluster serving http://%s:%d (%d nodes, models %s)", host,
+            log.info("dstack cluster serving %s://%s:%d (%d nodes, models %s)",
+                     "https" if cfg.server.tls_certfile else "http", at,
                      sock.getsockname()[1], len(controller.backend.nodes),
                      ", ".join(m.name for m in cfg.models))
 
-        server = _Serving(server_config(app, cfg.server), ControllerRun(controller),  # type: ignore[arg-type]
-                          ready)
-        server.run(sockets=[sock])
+        return _Serving(server_config(app, cfg.server), ControllerRun(controller),  # type: ignore[arg-type]
+                        ready), sock
+
+    try:
+        return run_until_stopped(prepare, "dstack cluster")
     finally:
-        sock.close()
-        stop_ray()
-    return 0
+        if ray_started:
+            stop_ray()

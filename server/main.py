@@ -65,14 +65,20 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
         finally:
             await rt.stop()
 
-    s = cfg.server
-    app = create_app(runtime, max_body_bytes=s.max_body_bytes,
+    app = create_app(runtime, max_body_bytes=cfg.server.max_body_bytes,
                      lifespan=lifespan if start_runtime else None)
+    return guard(app, runtime, cfg.server, auth_token)
+
+
+def guard(app: FastAPI, backend: object, s: ServerConfig, auth_token: str | None) -> FastAPI:
+    """`app` behind the server's limits: the body limits and budget, the refusals that
+    `backend` decides before a body is read (where it has `refuse_early`) and, given
+    `auth_token`, bearer authentication, outermost."""
     app.add_middleware(BodyLimits, max_body_bytes=s.max_body_bytes,
                        budget=BodyBudget(s.body_budget_bytes))
-    refuse_early = getattr(runtime, "refuse_early", None)
+    refuse_early = getattr(backend, "refuse_early", None)
     if refuse_early is not None:  # outside the body limits: refused before the body is read
-        release = getattr(runtime, "release", None)
+        release = getattr(backend, "release", None)
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
                            failed=app.state.metrics.failed, version=MODEL_VERSION,
                            drain_bytes=s.max_body_bytes, release=release)
@@ -203,9 +209,22 @@ class _Dispatching:
             await self.runtime.stop()
 
 
-def serve(config_path: str | Path, host: str | None = None, port: int | None = None) -> int:
-    """Serve until SIGINT or SIGTERM. Returns the exit code: 0 after a clean shutdown,
-    2 (with one line on stderr, a bad config file included) when serving could not start."""
+class Runnable(Protocol):
+    """A server `run_until_stopped` runs (`_Serving`, `_Dispatching`)."""
+
+    should_exit: bool
+    started: bool
+
+    def run(self, sockets: list[socket.socket]) -> None: ...
+
+
+def run_until_stopped(prepare: Callable[[], tuple[Runnable, socket.socket]],
+                      name: str) -> int:
+    """What `dstack serve` and `dstack cluster serve` share: SIGINT and SIGTERM are caught
+    from the start (before "ready" a stop is acted on when start-up gets there; after it,
+    both drain), `prepare()` builds the server and its socket, and `run` serves until
+    stopped. Returns the exit code: 0 after a clean shutdown ("NAME stopped" logged), 2
+    with one line on stderr when serving could not start."""
     stop_signals: list[int] = []
 
     def remember(sig: int, _: FrameType | None) -> None:
@@ -213,49 +232,15 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         # uvicorn re-raises the signal it shut down for, which must not kill us now.
         stop_signals.append(sig)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, remember)
+    def catch() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, remember)
 
-    server: _Serving | _Dispatching | None = None
+    catch()
+    server: Runnable | None = None
     try:
-        cfg = load_config(config_path)
-        logging.basicConfig(level=cfg.server.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        host = host if host is not None else cfg.server.host
-        port = port if port is not None else cfg.server.port
-        token = load_token(cfg.server)
-        raise_fd_limit(cfg.server.max_connections)
-        steady_server_heap()
-        try:
-            sock = bind(host, port)
-        except OSError as e:
-            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        bound_port = sock.getsockname()[1]
-        _warn_if_exposed(sock.getsockname()[0], token)
-        _check_tls_files(cfg.server)  # before the slow imports: fail fast
-
-        from dstack.runtime.serving import Runtime  # heavy (torch)
-
-        runtime = Runtime(cfg)  # checks every model against the zoo
-        host_cores = available_cores()
-        _pin_front_end(cfg.server)  # after Runtime: its workers start on the cores of before
-        scheme = "https" if cfg.server.tls_certfile else "http"
-        shown = f"[{host}]" if ":" in host else host
-        names = ", ".join(m.name for m in cfg.models)
-
-        def ready() -> None:
-            log.info("dstack serving %s://%s:%d (policy %s, models %s); ready at "
-                     "/v2/health/ready", scheme, shown, bound_port, cfg.policy.value, names)
-
-        if cfg.server.frontends > 1:  # the front ends check the token
-            app = build_app(cfg, runtime, start_runtime=False)
-            # the front ends on the cores the server's own process leaves, if it was given any
-            pinned = cfg.server.cores
-            rest = (tuple(c for c in host_cores if c not in pinned) or None) if pinned else None
-            server = _Dispatching(app, runtime, cfg, Path(config_path), rest, ready)
-        else:
-            app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
-            server = _Serving(server_config(app, cfg.server), runtime, ready)
+        server, sock = prepare()
+        catch()  # again: a library may have set its own meanwhile (ray.init: SIGTERM exits 15)
         server.should_exit = bool(stop_signals)
         try:
             server.run(sockets=[sock])
@@ -267,8 +252,63 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         log.debug("start-up failed", exc_info=True)
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
-    log.info("dstack stopped")
+    log.info("%s stopped", name)
     return 0
+
+
+def listen(host: str, port: int, cfg: ServerConfig, token: str | None) -> socket.socket:
+    """The listening socket for `cfg`, checked before anything slow starts: the file
+    descriptor limit raised for its connection cap, the address bound (a `StartupError`
+    naming it when it cannot be), a warning when it is not loopback and no token is set,
+    and the TLS files loaded once."""
+    raise_fd_limit(cfg.max_connections)
+    try:
+        sock = bind(host, port)
+    except (OSError, OverflowError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise StartupError(f"cannot listen on {host}:{port}: {why}") from None
+    _warn_if_exposed(sock.getsockname()[0], token)
+    _check_tls_files(cfg)  # before the slow imports: fail fast
+    return sock
+
+
+def serve(config_path: str | Path, host: str | None = None, port: int | None = None) -> int:
+    """Serve until SIGINT or SIGTERM. Returns the exit code: 0 after a clean shutdown,
+    2 (with one line on stderr, a bad config file included) when serving could not start."""
+
+    def prepare() -> tuple[Runnable, socket.socket]:
+        cfg = load_config(config_path)
+        logging.basicConfig(level=cfg.server.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        at = host if host is not None else cfg.server.host
+        token = load_token(cfg.server)
+        steady_server_heap()
+        sock = listen(at, port if port is not None else cfg.server.port, cfg.server, token)
+        bound_port = sock.getsockname()[1]
+
+        from dstack.runtime.serving import Runtime  # heavy (torch)
+
+        runtime = Runtime(cfg)  # checks every model against the zoo
+        host_cores = available_cores()
+        _pin_front_end(cfg.server)  # after Runtime: its workers start on the cores of before
+        scheme = "https" if cfg.server.tls_certfile else "http"
+        shown = f"[{at}]" if ":" in at else at
+        names = ", ".join(m.name for m in cfg.models)
+
+        def ready() -> None:
+            log.info("dstack serving %s://%s:%d (policy %s, models %s); ready at "
+                     "/v2/health/ready", scheme, shown, bound_port, cfg.policy.value, names)
+
+        if cfg.server.frontends > 1:  # the front ends check the token
+            app = build_app(cfg, runtime, start_runtime=False)
+            # the front ends on the cores the server's own process leaves, if it was given any
+            pinned = cfg.server.cores
+            rest = (tuple(c for c in host_cores if c not in pinned) or None) if pinned else None
+            return _Dispatching(app, runtime, cfg, Path(config_path), rest, ready), sock
+        app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
+        return _Serving(server_config(app, cfg.server), runtime, ready), sock
+
+    return run_until_stopped(prepare, "dstack")
 
 
 def _one_line(e: BaseException) -> str:

@@ -21,7 +21,7 @@ from bench.servers import front_ends
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"name": "tiny_cnn", "slo_ms": 10000, "max_batch_size": 8, "max_queue_delay_ms": 2}
-SERVING = re.compile(r"dstack serving https?://127\.0\.0\.1:(\d+)")
+SERVING = re.compile(r"dstack (?:cluster )?serving https?://127\.0\.0\.1:(\d+)")
 
 
 @dataclass
@@ -77,14 +77,16 @@ class ServerProcess:
             self.proc.wait(10)
 
 
-def launch(cfg: dict, tmp_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `dstack serve` on `cfg` (host and port forced to 127.0.0.1:0); do not wait."""
+def launch(cfg: dict, tmp_path: Path, env: dict[str, str] | None = None,
+           command: tuple[str, ...] = ("serve",)) -> ServerProcess:
+    """Start `dstack serve` (or `command`: ("cluster", "serve")) on `cfg` (host and port
+    forced to 127.0.0.1:0); do not wait."""
     cfg = {**cfg, "server": {**cfg.get("server", {}), "host": "127.0.0.1", "port": 0}}
     cfg_path = tmp_path / "deploy.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     log = tmp_path / "server.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dstack.cli", "serve", "--config", str(cfg_path)],
+        [sys.executable, "-m", "dstack.cli", *command, "--config", str(cfg_path)],
         cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})}, start_new_session=True)
     return ServerProcess(proc, log)
