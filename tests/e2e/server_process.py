@@ -4,6 +4,7 @@ its PID (its workers share its process group, killed with it if it does not exit
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -104,3 +105,11 @@ def wait_ready(srv: ServerProcess, timeout_s: float = 180) -> ServerProcess:
         time.sleep(0.1)
     srv.kill()
     raise RuntimeError(f"server not ready in {timeout_s} s:\n{srv.text()}")
+
+
+def loopback(ip: str) -> bool:
+    """Whether a listening address is loopback ('::ffff:127.0.0.1' included)."""
+    a = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    return a.is_loopback

@@ -1,7 +1,8 @@
 """A real `dstack cluster serve` process (a local Ray, one CPU node) holds the same start-up,
 shutdown and security rules as `dstack serve`: a start-up error is one line and exit 2;
-the bearer token, when set, is required of every route but health and metrics; SIGTERM
-drains, exits 0 and leaves none of the processes it started (Ray's included)."""
+the bearer token, when set, is required of every route but health and metrics; nothing it
+starts listens beyond loopback; SIGTERM drains, exits 0 and leaves none of the processes
+it started (Ray's included)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server_process import ROOT, launch, wait_ready
+from tests.e2e.server_process import ROOT, launch, loopback, wait_ready
 
 psutil = pytest.importorskip("psutil")
 
@@ -82,6 +83,13 @@ def test_the_token_is_required_and_sigterm_drains_exits_0_and_leaves_no_process(
         assert srv.get("/v1/cluster") == 401
         started = psutil.Process(srv.pid).children(recursive=True)
         assert started  # Ray's processes, the node's worker
+        listening = [(p.name(), c.laddr.ip, c.laddr.port)
+                     for p in (psutil.Process(srv.pid), *started)
+                     for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN or (c.type == 2 and c.laddr)]
+        assert any(port == srv.port for _, _, port in listening)
+        exposed = [s for s in listening if not loopback(s[1])]
+        assert exposed == [], f"listening beyond loopback: {exposed}"
         assert srv.stop(signal.SIGTERM, timeout_s=120) == 0, srv.text()
         assert "dstack cluster stopped" in srv.text()
         deadline = time.monotonic() + 30

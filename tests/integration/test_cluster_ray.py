@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.e2e.server_process import loopback
+
 # Before Ray is imported: every node address is loopback (Ray's own switch for laptops),
 # so nothing here listens on another interface.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -219,15 +221,6 @@ def _listening(pids: list[int]) -> list[tuple[int, str, str, int]]:
     return out
 
 
-def _loopback(ip: str) -> bool:
-    import ipaddress
-
-    a = ipaddress.ip_address(ip.split("%")[0])
-    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
-        a = a.ipv4_mapped
-    return a.is_loopback
-
-
 def test_nothing_listens_beyond_loopback(ingress: Ingress) -> None:
     psutil = pytest.importorskip("psutil")
     me = psutil.Process()
@@ -236,7 +229,7 @@ def test_nothing_listens_beyond_loopback(ingress: Ingress) -> None:
     assert len(pids) > 10 and socks  # Ray's processes, the nodes' workers, the ingress
     port = int(ingress.url.rsplit(":", 1)[1])
     assert any(s[3] == port for s in socks)
-    exposed = [s for s in socks if not _loopback(s[2])]
+    exposed = [s for s in socks if not loopback(s[2])]
     assert exposed == [], f"listening beyond loopback: {exposed}"
 
 
