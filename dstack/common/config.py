@@ -69,6 +69,12 @@ class ServerConfig(_Strict):
     is read and dropped at most this fast, all connections together (0: as fast as it
     comes). The refused clients' uploads then take longer, and cannot take the cores that
     the requests the server did take need."""
+    max_body_reads: Annotated[int, Field(ge=0)] = 64
+    """Request bodies the server's process (each front end, with `frontends` > 1) reads at
+    once, at most; fewer (down to 2) while bodies take longer than usual to come, which is
+    what reading too many at once does to a busy process (dstack.runtime.reading). A
+    request over the limit is refused at its header (429 `work_ahead`), its body unread.
+    0: no limit."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still
     arriving are refused at once with 503); what is still running after it is cancelled."""

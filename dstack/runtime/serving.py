@@ -52,6 +52,8 @@ from dstack.runtime.dispatch import (
     Ticket,
 )
 from dstack.runtime.messages import BatchDone, Ready
+from dstack.runtime.reading import COUNTS_S as READ_COUNTS_S
+from dstack.runtime.reading import ReadLimit
 from dstack.runtime.replanner import Replanner, StalePlan
 from dstack.runtime.repository import ModelState, RepoEntry, model_config
 from dstack.runtime.shm import Arena
@@ -211,6 +213,10 @@ class Runtime:
         # the body counts as still to come) and when the last was measured.
         self._body_reads: dict[str, deque[float]] = {}
         self._body_s: dict[str, tuple[float, float]] = {}
+        # How many bodies are read at once, at most (dstack.runtime.reading).
+        server = cfg.server
+        self.read_limit = ReadLimit(server.max_body_reads, server.frontends) if (
+            server.max_body_reads) else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -543,9 +549,32 @@ class Runtime:
         2,400 rps, four times a front end's capacity; docs/reliability.md, "Overload on
         an H100")."""
         self.check_admission(model)
+        if hold and self.read_limit is not None:
+            self._check_reading(model)
         body_rest_s = max(0.0, self.body_s(model) - since_s)
         self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
                          hold=hold)
+
+    def _check_reading(self, model: str) -> None:
+        """Refuse a request for `model` at its header while as many bodies are being read
+        as the read limit allows (counted as the dispatch core's refusals are)."""
+        core, limit = self.core, self.read_limit
+        if core is None or limit is None:
+            return
+        now = self._clock()
+        reading = core.reading(now, READ_COUNTS_S)
+        if reading < limit.limit:
+            return
+        core.count_refused(model, RefusalReason.WORK_AHEAD.value, 1)
+        if self.replanner is not None:
+            self.replanner.record(model, now)
+        raise refusal_error(
+            RefusalReason.WORK_AHEAD,
+            f"model {model}: the server is reading {reading} request bodies already, as "
+            f"many as it reads at once now ({limit.limit}: fewer while bodies take longer "
+            f"than usual to come, at most server.max_body_reads {limit.ceiling}"
+            + (f" per front end, {limit.readers} front ends" if limit.readers > 1 else "")
+            + "); retry later")
 
     def body_s(self, model: str) -> float:
         """How long `model`'s bodies take to read, from the first byte: the median of its
@@ -558,6 +587,8 @@ class Runtime:
 
     def observe_body(self, model: str, seconds: float) -> None:
         """A request for `model` had its whole body `seconds` after its first byte."""
+        if self.read_limit is not None:
+            self.read_limit.observe(model, seconds)
         reads = self._body_reads.setdefault(model, deque(maxlen=BODY_READS))
         reads.append(seconds)
         self._body_s[model] = (sorted(reads)[len(reads) // 2], self._clock())

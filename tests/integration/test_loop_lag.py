@@ -172,3 +172,38 @@ def test_metrics_show_what_admission_counts_besides_compute() -> None:
                 rt.refuse_early("tiny")
 
     asyncio.run(main())
+
+
+def test_while_bodies_come_slower_than_usual_fewer_are_read_at_once() -> None:
+    """Bodies slower than usual (what reading too many at once does to a busy process)
+    bring the number read at once down to two: a third request let through at its header
+    meanwhile is refused there, by a message that says so, and counted; when one is back,
+    or has taken longer than `reading.COUNTS_S`, another is let through."""
+    async def main() -> None:
+        async with _served_tiny() as (rt, http):
+            assert rt.read_limit is not None and rt.read_limit.limit == 64
+            for _ in range(50):
+                rt.observe_body("tiny", 0.02)  # the usual time was well under 1 ms
+            assert rt.read_limit.limit == 2
+            before = rt.stats("tiny").refused
+            rt.refuse_early("tiny", hold=True)
+            rt.refuse_early("tiny", hold=True)
+            with pytest.raises(DeadlineRefused) as refused:
+                rt.refuse_early("tiny", hold=True)
+            assert refused.value.rule == "work_ahead"
+            assert "reading 2 request bodies already" in refused.value.message
+            assert "server.max_body_reads 64" in refused.value.message
+            assert rt.stats("tiny").refused == before + 1
+            rt.check_batch("tiny", 1)  # a request whose body is in is not held back by it
+            rt.release("tiny")
+            rt.refuse_early("tiny", hold=True)
+            await asyncio.sleep(0.06)  # the two bodies left have taken 60 ms: not counted
+            rt.refuse_early("tiny", hold=True)
+
+    asyncio.run(main())
+
+
+def test_no_limit_on_bodies_read_at_once_when_configured_off() -> None:
+    cfg = parse_config({"server": {"max_body_reads": 0},
+                        "models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100}]})
+    assert Runtime(cfg).read_limit is None

@@ -1,0 +1,67 @@
+"""How many request bodies a process that reads them reads at once: a limit that adapts.
+
+A process reading request bodies (the server's own, or each front end: `server.frontends`)
+reads the bodies it has let through in turns of its event loop, all at once. Where that
+loop is what limits the server (a GPU host under overload, whose device is faster than one
+Python process), more bodies at once make each take longer, a few of them far longer in a
+burst: the requests whose headers were let through on the usual body time are then refused
+after their bodies after all (slowly), or answered late. Past that point reading more
+bodies at once serves none more.
+
+So the number of bodies being read (the dispatch core's holds taken at the header,
+`DispatchCore.reading`) is limited, and the limit follows the bodies' times as TCP's
+congestion window follows losses (additive increase, multiplicative decrease): each body
+slower than `SLOW_TIMES` its model's usual time (plus `SLOW_PLUS_S`) cuts it by `CUT`;
+each other body adds one over the limit (one a limit's worth of bodies), between `FLOOR`
+and the configured ceiling (`server.max_body_reads`). A model's usual time is the least it
+has taken, which follows slower times by `USUAL_RISE` of the difference per body (a
+client network slower since). Where bodies come as fast with many at once (the device or
+the network is the bottleneck, not the reader), nothing slows them and the limit stays at
+its ceiling. A request over the limit is refused at its header (429 `work_ahead`), its
+body unread, by `Runtime.refuse_early`.
+
+Measured in docs/reliability.md, "Overload, twenty-seventh step"."""
+
+from __future__ import annotations
+
+#: The fewest bodies each reader is let read at once.
+FLOOR = 2
+#: What a slow body leaves of the limit.
+CUT = 0.9
+#: A body is slow when it takes more than SLOW_TIMES its model's usual time + SLOW_PLUS_S.
+SLOW_TIMES = 2.0
+SLOW_PLUS_S = 0.001
+#: How far a model's usual time moves toward a slower body's time, per body.
+USUAL_RISE = 0.001
+#: A body still being read this long after its header counts no more toward the limit: a
+#: slow or stalled upload waits on its client, not on the reader (and cannot keep others
+#: out for longer than this).
+COUNTS_S = 0.05
+
+
+class ReadLimit:
+    """The limit of bodies read at once, all `readers` together (each reads its share)."""
+
+    def __init__(self, ceiling: int, readers: int = 1) -> None:
+        self.ceiling = ceiling
+        self.floor = min(FLOOR, ceiling)
+        self.readers = readers
+        self.each = float(ceiling)  # per reader
+        self._usual: dict[str, float] = {}
+
+    @property
+    def limit(self) -> int:
+        return int(self.each) * self.readers
+
+    def observe(self, model: str, seconds: float) -> None:
+        """A request for `model` had its whole body `seconds` after its first byte."""
+        usual = self._usual.get(model)
+        if usual is None or seconds < usual:
+            usual = seconds
+        else:
+            usual += (seconds - usual) * USUAL_RISE
+        self._usual[model] = usual
+        if seconds > SLOW_TIMES * usual + SLOW_PLUS_S:
+            self.each = max(float(self.floor), self.each * CUT)
+        else:
+            self.each = min(float(self.ceiling), self.each + 1.0 / self.each)
