@@ -243,7 +243,7 @@ def create_app(
     observe_body: Callable[[str, float], None] | None = getattr(backend, "observe_body", None)
     # A request let through at its header with a hold on the queue (server.early.HELD)
     # gives it back here, just before its real batch is checked.
-    release: Callable[[str], None] | None = getattr(backend, "release", None)
+    release: Callable[..., None] | None = getattr(backend, "release", None)
 
     async def decode_data(head: codec.RequestHead, model: str,
                           received: float) -> codec.InferRequest:
@@ -407,7 +407,7 @@ def create_app(
         head = codec.parse_request(body, None if hlen is None else hlen.decode("latin-1"), spec)
         held = scope.pop(HELD, None)
         if held is not None and release is not None:
-            release(held)
+            release(*held)
         if check_batch is not None:  # refused by its batch size before its numbers are parsed
             check_batch(model, head.batch_size, time.monotonic() - received, 0.0)
         req = await decode_data(head, model, received)

@@ -58,9 +58,10 @@ INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 #: up to `server.connection.WHOLE_BODY_BYTES`, no more than this, comes in one message.)
 CHECK_EVERY_BYTES = 1 << 20
 
-#: The scope key `HeaderRefusal` sets (to the model) when it let a request through with a
-#: hold on the model's queue (`Runtime.refuse_early(hold=True)`): the request counts as
-#: queued while its body is read. Whoever pops it releases the hold (`release(model)`):
+#: The scope key `HeaderRefusal` sets (to the model and the token `refuse_early` gave) when
+#: it let a request through with a hold on the model's queue (`Runtime.refuse_early(hold=
+#: True)`): the request counts as queued, and its body as being read, until it is back.
+#: Whoever pops it releases the hold (`release(model, token)`):
 #: the infer route just before it asks about the request's real batch, else
 #: `EarlyRefusal` when the request is over, however it ended.
 HELD = "dstack.held"
@@ -85,9 +86,9 @@ class EarlyRefusal:
     received_at)` counts and times each refusal answered here (`server.metrics.Metrics.
     failed`, which the infer route feeds, so that stats and metrics count them as any)."""
 
-    def __init__(self, app: ASGIApp, *, refuse_early: Callable[..., None],
+    def __init__(self, app: ASGIApp, *, refuse_early: Callable[..., object],
                  failed: Failed, version: str,
-                 drain_bytes: int = 0, release: Callable[[str], None] | None = None) -> None:
+                 drain_bytes: int = 0, release: Callable[..., None] | None = None) -> None:
         self.app = app
         self.refuse_early = refuse_early
         self.release = release
@@ -116,7 +117,7 @@ class EarlyRefusal:
                     finally:
                         held = scope.pop(HELD, None)
                         if held is not None and self.release is not None:
-                            self.release(held)
+                            self.release(*held)
                     return
         await self.app(scope, receive, send)
 
@@ -169,7 +170,7 @@ class HeaderRefusal:
     infer route of this version, an unknown model, a body over `max_body_bytes`, no token
     where `allowed` wants one, or nothing to refuse)."""
 
-    def __init__(self, *, refuse_early: Callable[..., None],
+    def __init__(self, *, refuse_early: Callable[..., int | None],
                  failed: Failed, version: str, max_body_bytes: int,
                  allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None = None,
                  hold: bool = False) -> None:
@@ -188,9 +189,10 @@ class HeaderRefusal:
             return None
         model = m.group(1)
         hold = self.hold and scope is not None
+        token = None
         try:
             if hold:
-                self.refuse_early(model, hold=True)
+                token = self.refuse_early(model, hold=True)
             else:
                 self.refuse_early(model)
         except ModelNotFound:
@@ -201,7 +203,7 @@ class HeaderRefusal:
             return e.status_code, [(b"content-type", b"application/json"),
                                    *retry_after(e)], error_json(e.message, e.rule)
         if hold:
-            scope[HELD] = model  # type: ignore[index]
+            scope[HELD] = (model, token)  # type: ignore[index]
         return None
 
 

@@ -200,8 +200,9 @@ class Dispatch:
         self.failed = app.state.metrics.failed
         self.metrics = app.state.metrics
         self.late = self.metrics.frontends_late = Lateness()  # the front ends' loops
-        self.refuse_early: Callable[..., None] | None = getattr(runtime, "refuse_early", None)
-        self.release: Callable[[str], None] | None = getattr(runtime, "release", None)
+        self.refuse_early: Callable[..., int | None] | None = getattr(
+            runtime, "refuse_early", None)
+        self.release: Callable[..., None] | None = getattr(runtime, "release", None)
         self.count_refused: Callable[[str, str, int], None] | None = getattr(
             runtime, "count_refused", None)
         self.version = version
@@ -216,18 +217,19 @@ class _DispatchLink(FrameReader):
     def __init__(self, dispatch: Dispatch) -> None:
         super().__init__()
         self.d = dispatch
-        self.holds: dict[int, str] = {}  # request id -> model, held while its body is read
+        # request id -> (model, token), held while its body is read (`server.early.HELD`)
+        self.holds: dict[int, tuple[str, int | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.shared: memoryview | None = None  # the front end's bodies (`SharedBodies`)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for model in self.holds.values():  # the front end is gone: so are its bodies
-            self._release(model)
+        for held in self.holds.values():  # the front end is gone: so are its bodies
+            self._release(held)
         self.holds.clear()
 
-    def _release(self, model: str) -> None:
+    def _release(self, held: tuple[str, int | None]) -> None:
         if self.d.release is not None:
-            self.d.release(model)
+            self.d.release(*held)
 
     def on_frame(self, meta: dict[str, Any], payload: bytes | bytearray) -> None:
         k = meta["k"]
@@ -240,9 +242,9 @@ class _DispatchLink(FrameReader):
         elif k == "c":
             self._check(meta)
         elif k == "r":
-            model = self.holds.pop(meta["i"], None)
-            if model is not None:
-                self._release(model)
+            held = self.holds.pop(meta["i"], None)
+            if held is not None:
+                self._release(held)
         elif k == "lr":
             self._refused_standing(meta)
         elif k == "late":
@@ -267,7 +269,7 @@ class _DispatchLink(FrameReader):
             self.send({"k": "go", "i": i})  # the route answers it (404 for a wrong version)
             return
         try:
-            ask(model, hold=self.d.release is not None)
+            token = ask(model, hold=self.d.release is not None)
         except DStackError as e:
             if e.status_code == 404:  # the route answers it
                 self.send({"k": "go", "i": i})
@@ -277,7 +279,7 @@ class _DispatchLink(FrameReader):
                       else _refusal_meta(i, e))
             return
         if self.d.release is not None:
-            self.holds[i] = model
+            self.holds[i] = (model, token)
         self.send({"k": "go", "i": i})
 
     def _refused_standing(self, meta: dict[str, Any]) -> None:

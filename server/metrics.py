@@ -254,6 +254,13 @@ class BackendCollector(Collector):
                 "How late the server's event loop runs what is due (a running mean); the "
                 "checks before admission count a few times this as time the request waits",
                 value=lag)
+        reads = getattr(b, "read_limit", None)
+        if reads is not None:
+            yield GaugeMetricFamily(
+                "dstack_body_reads_limit",
+                "Request bodies read at once, at most, now (server.max_body_reads; fewer "
+                "while bodies take longer than usual to come); a request over it is "
+                "refused at its header", value=reads.limit)
         late: Lateness | None = getattr(b, "loop_late", None)
         if late is not None:
             yield lateness_histogram(

@@ -135,7 +135,6 @@ step are extension types, and a queue's head is kept in typed fields.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -632,21 +631,6 @@ class _Core:
         elif hold:
             st.holds.append(now + st.slo_s)
         return r
-
-    def reading(self, now: float, within_s: float) -> int:
-        """Requests let through at their header (`refuse_early(hold=True)`), all models
-        together, not back yet, whose holds were taken less than `within_s` ago: the
-        bodies being read now, less those that have taken longer than that (a slow or
-        stalled upload, which takes none of the reader's time while it waits)."""
-        st: _Model
-        total: cython.Py_ssize_t = 0
-        since: cython.double
-        for st in self._m:
-            if st.holds:  # lapse times (taken + SLO), oldest first
-                since = now - within_s + st.slo_s
-                total += len(st.holds) - bisect.bisect_right(st.holds,
-                                                             since if since > now else now)
-        return total
 
     def count_refused(self, model: str, reason: str, n: int) -> None:
         """`n` requests for `model` were refused by rule `reason` (a RefusalReason's

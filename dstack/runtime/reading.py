@@ -8,17 +8,17 @@ burst: the requests whose headers were let through on the usual body time are th
 after their bodies after all (slowly), or answered late. Past that point reading more
 bodies at once serves none more.
 
-So the number of bodies being read (the dispatch core's holds taken at the header,
-`DispatchCore.reading`) is limited, and the limit follows the bodies' times as TCP's
-congestion window follows losses (additive increase, multiplicative decrease): each body
-slower than `SLOW_TIMES` its model's usual time (plus `SLOW_PLUS_S`) cuts it by `CUT`;
-each other body adds one over the limit (one a limit's worth of bodies), between `FLOOR`
-and the configured ceiling (`server.max_body_reads`). A model's usual time is the least it
-has taken, which follows slower times by `USUAL_RISE` of the difference per body (a
-client network slower since). Where bodies come as fast with many at once (the device or
-the network is the bottleneck, not the reader), nothing slows them and the limit stays at
-its ceiling. A request over the limit is refused at its header (429 `work_ahead`), its
-body unread, by `Runtime.refuse_early`.
+So the number of bodies being read (requests let through at their header and not back,
+`Runtime.refuse_early(hold=True)` to `Runtime.release`) is limited, and the limit follows
+the bodies' times as TCP's congestion window follows losses (additive increase,
+multiplicative decrease): each body slower than `SLOW_TIMES` its model's usual time (plus
+`SLOW_PLUS_S`) cuts it by `CUT`; each other body adds one over the limit (one a limit's
+worth of bodies), between `FLOOR` and the configured ceiling (`server.max_body_reads`). A
+model's usual time is the least it has taken, which follows slower times by `USUAL_RISE`
+of the difference per body (a client network slower since). Where bodies come as fast
+with many at once (the device or the network is the bottleneck, not the reader), nothing
+slows them and the limit stays at its ceiling. A request over the limit is refused at its
+header (429 `work_ahead`), its body unread, by `Runtime.refuse_early`.
 
 Measured in docs/reliability.md, "Overload, twenty-seventh step"."""
 
@@ -29,14 +29,16 @@ FLOOR = 2
 #: What a slow body leaves of the limit.
 CUT = 0.9
 #: A body is slow when it takes more than SLOW_TIMES its model's usual time + SLOW_PLUS_S.
-SLOW_TIMES = 2.0
-SLOW_PLUS_S = 0.001
+SLOW_TIMES = 1.5
+SLOW_PLUS_S = 0.0005
 #: How far a model's usual time moves toward a slower body's time, per body.
 USUAL_RISE = 0.001
 #: A body still being read this long after its header counts no more toward the limit: a
 #: slow or stalled upload waits on its client, not on the reader (and cannot keep others
 #: out for longer than this).
 COUNTS_S = 0.05
+#: A request let through and never said to be back (a bug) is forgotten after this long.
+KEPT_S = 600.0
 
 
 class ReadLimit:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -53,6 +54,7 @@ from dstack.runtime.dispatch import (
 )
 from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.reading import COUNTS_S as READ_COUNTS_S
+from dstack.runtime.reading import KEPT_S as READING_KEPT_S
 from dstack.runtime.reading import ReadLimit
 from dstack.runtime.replanner import Replanner, StalePlan
 from dstack.runtime.repository import ModelState, RepoEntry, model_config
@@ -217,6 +219,10 @@ class Runtime:
         server = cfg.server
         self.read_limit = ReadLimit(server.max_body_reads, server.frontends) if (
             server.max_body_reads) else None
+        # The bodies being read: when each request let through with a hold was, by the
+        # token `refuse_early` gave it (oldest first), until `release`.
+        self._reading: dict[int, float] = {}
+        self._holds = itertools.count(1)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -531,15 +537,16 @@ class Runtime:
         err.logged = True  # once per restart, when it ends (`_restart_ended`)
         raise err
 
-    def refuse_early(self, model: str, since_s: float = 0.0, hold: bool = False) -> None:
+    def refuse_early(self, model: str, since_s: float = 0.0, hold: bool = False) -> int | None:
         """Raise what a one-item request for `model`, received `since_s` ago, would be
         refused with now (`check_admission`'s 503s; the dispatch core's 429 when even one
         item would be refused: queue full, unplanned, work ahead, its deadline gone by),
         counted as such a refusal. The server asks this before reading a request's body
         (`server.early`), and again while a big body arrives: under overload a refusal then
         costs no body. Returns when the request may go on (it is admitted, or refused on
-        its real size, by `infer`). `hold`: until `release(model)`, the request counts as
-        queued (`DispatchCore.refuse_early`).
+        its real size, by `infer`). `hold`: until `release(model, token)`, the request
+        counts as queued (`DispatchCore.refuse_early`) and its body as being read (the
+        read limit, `dstack.runtime.reading`); the token is returned.
 
         The request is taken as ready to queue once the rest of its body has come (the
         median of the model's recent `observe_body`s) and the loop has then got to it
@@ -554,15 +561,28 @@ class Runtime:
         body_rest_s = max(0.0, self.body_s(model) - since_s)
         self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
                          hold=hold)
+        if not hold or self.read_limit is None:
+            return None
+        token = next(self._holds)
+        self._reading[token] = now = self._clock()
+        oldest = next(iter(self._reading))
+        if self._reading[oldest] < now - READING_KEPT_S:  # never given back (a bug)
+            del self._reading[oldest]
+        return token
 
     def _check_reading(self, model: str) -> None:
         """Refuse a request for `model` at its header while as many bodies are being read
-        as the read limit allows (counted as the dispatch core's refusals are)."""
+        (let through less than `reading.COUNTS_S` ago and not back) as the read limit
+        allows; counted as the dispatch core's refusals are."""
         core, limit = self.core, self.read_limit
         if core is None or limit is None:
             return
         now = self._clock()
-        reading = core.reading(now, READ_COUNTS_S)
+        reading = 0
+        for at in reversed(self._reading.values()):
+            if at < now - READ_COUNTS_S or reading >= limit.limit:
+                break
+            reading += 1
         if reading < limit.limit:
             return
         core.count_refused(model, RefusalReason.WORK_AHEAD.value, 1)
@@ -605,10 +625,13 @@ class Runtime:
             for _ in range(n):
                 self.replanner.record(model, now)
 
-    def release(self, model: str) -> None:
-        """A request let through by `refuse_early(model, hold=True)` is back."""
+    def release(self, model: str, token: int | None = None) -> None:
+        """A request let through by `refuse_early(model, hold=True)`, which gave it
+        `token`, is back."""
         if self.core is not None:
             self.core.release(model)
+        if token is not None:
+            self._reading.pop(token, None)
 
     def check_batch(self, model: str, n: int, since_s: float = 0.0,
                     ready_s: float = 0.0, *, hold: bool = False) -> None:

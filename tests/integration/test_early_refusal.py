@@ -491,8 +491,8 @@ class HoldingBackend(RefusingBackend):
             self.held += 1
             self.most = max(self.most, self.held)
 
-    def release(self, model: str) -> None:
-        assert model == "double"
+    def release(self, model: str, token: int | None = None) -> None:
+        assert model == "double" and token is None
         self.held -= 1
 
 

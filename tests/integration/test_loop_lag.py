@@ -178,16 +178,20 @@ def test_while_bodies_come_slower_than_usual_fewer_are_read_at_once() -> None:
     """Bodies slower than usual (what reading too many at once does to a busy process)
     bring the number read at once down to two: a third request let through at its header
     meanwhile is refused there, by a message that says so, and counted; when one is back,
-    or has taken longer than `reading.COUNTS_S`, another is let through."""
+    or has taken longer than `reading.COUNTS_S` (a stalled upload), another is let
+    through; a stalled upload's place is not taken over by the requests after it."""
     async def main() -> None:
         async with _served_tiny() as (rt, http):
             assert rt.read_limit is not None and rt.read_limit.limit == 64
             for _ in range(50):
                 rt.observe_body("tiny", 0.02)  # the usual time was well under 1 ms
             assert rt.read_limit.limit == 2
+            gauge = samples((await http.get("/metrics")).text)["dstack_body_reads_limit"]
+            assert gauge == {(): 2.0}
             before = rt.stats("tiny").refused
-            rt.refuse_early("tiny", hold=True)
-            rt.refuse_early("tiny", hold=True)
+            stalled = rt.refuse_early("tiny", hold=True)
+            second = rt.refuse_early("tiny", hold=True)
+            assert stalled is not None and second is not None and stalled != second
             with pytest.raises(DeadlineRefused) as refused:
                 rt.refuse_early("tiny", hold=True)
             assert refused.value.rule == "work_ahead"
@@ -195,10 +199,17 @@ def test_while_bodies_come_slower_than_usual_fewer_are_read_at_once() -> None:
             assert "server.max_body_reads 64" in refused.value.message
             assert rt.stats("tiny").refused == before + 1
             rt.check_batch("tiny", 1)  # a request whose body is in is not held back by it
-            rt.release("tiny")
+            rt.release("tiny", second)
+            third = rt.refuse_early("tiny", hold=True)
+            await asyncio.sleep(0.06)  # `stalled` and `third` have taken 60 ms: not counted
+            for _ in range(5):  # requests come and go; `stalled` is still being read
+                rt.release("tiny", rt.refuse_early("tiny", hold=True))
             rt.refuse_early("tiny", hold=True)
-            await asyncio.sleep(0.06)  # the two bodies left have taken 60 ms: not counted
             rt.refuse_early("tiny", hold=True)
+            with pytest.raises(DeadlineRefused):
+                rt.refuse_early("tiny", hold=True)
+            rt.release("tiny", stalled)
+            rt.release("tiny", third)
 
     asyncio.run(main())
 

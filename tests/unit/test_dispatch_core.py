@@ -766,23 +766,6 @@ def test_a_request_let_through_with_a_hold_counts_as_queued_until_released_or_la
     core.release("no such model")  # nothing to give back: ignored
 
 
-def test_the_bodies_being_read_are_the_holds_taken_lately_and_not_back() -> None:
-    """`reading(now, within_s)`: the holds of every model taken less than `within_s` ago
-    and not given back; an older one (a slow or stalled upload) no longer counts, nor one
-    that has lapsed."""
-    core = core_for()
-    assert core.reading(0.0, 0.05) == 0
-    assert core.refuse_early(A, 1, 0.0, hold=True) is None
-    assert core.refuse_early(A, 1, 0.01, hold=True) is None
-    assert core.refuse_early(B, 1, 0.02, hold=True) is None
-    assert core.reading(0.02, 0.05) == 3
-    assert core.reading(0.055, 0.05) == 2  # the first is 55 ms old
-    core.release(B)
-    assert core.reading(0.055, 0.05) == 1
-    assert core.reading(0.07, 0.05) == 0
-    assert core.reading(0.2, 1.0) == 0  # lapsed with the SLO (100 ms)
-
-
 def test_a_refusal_by_work_ahead_stands_as_long_as_the_core_would_repeat_it() -> None:
     """A front end answers a model's next requests with a refusal while it stands
     (`Refusal.stands_s`, `server.link.StandingRefusals`): the core itself must refuse a
