@@ -8,54 +8,41 @@ from __future__ import annotations
 from dstack.runtime.reading import FLOOR, ReadLimit
 
 
+def fed(lim: ReadLimit, *runs: tuple[float, int], model: str = "m") -> int:
+    """`lim`'s limit after each (seconds, count) run of bodies of `model`."""
+    for seconds, n in runs:
+        for _ in range(n):
+            lim.observe(model, seconds)
+    return lim.limit
+
+
 def test_slow_bodies_bring_the_limit_down_and_quick_ones_back_up() -> None:
     lim = ReadLimit(64)
-    for _ in range(500):
-        lim.observe("m", 0.001)
-    assert lim.limit == 64
-    for _ in range(60):  # ten times slower: the reader is reading too much at once
-        lim.observe("m", 0.01)
-    assert lim.limit == FLOOR
-    for _ in range(40):
-        lim.observe("m", 0.001)
-    assert FLOOR < lim.limit < 64
-    for _ in range(5000):
-        lim.observe("m", 0.001)
-    assert lim.limit == 64
+    assert fed(lim, (0.001, 500)) == 64
+    assert fed(lim, (0.01, 60)) == FLOOR  # ten times slower: reading too much at once
+    assert FLOOR < fed(lim, (0.001, 40)) < 64
+    assert fed(lim, (0.001, 5000)) == 64
 
 
 def test_one_slow_body_moves_the_limit_by_a_tenth() -> None:
-    lim = ReadLimit(40)
-    for _ in range(100):
-        lim.observe("m", 0.002)
-    lim.observe("m", 0.5)
-    assert lim.limit == 36
+    assert fed(ReadLimit(40), (0.002, 100), (0.5, 1)) == 36
 
 
 def test_each_model_has_its_own_usual_time() -> None:
     """Big bodies of one model take longer than small ones of another without being slow."""
     lim = ReadLimit(16)
     for _ in range(200):
-        lim.observe("small", 0.0005)
-        lim.observe("big", 0.02)
+        fed(lim, (0.0005, 1), model="small")
+        fed(lim, (0.02, 1), model="big")
     assert lim.limit == 16
 
 
 def test_bodies_slower_for_good_become_the_usual_time() -> None:
-    lim = ReadLimit(32)
-    for _ in range(100):
-        lim.observe("m", 0.001)
-    for _ in range(3000):
-        lim.observe("m", 0.01)
-    assert lim.limit == 32
+    assert fed(ReadLimit(32), (0.001, 100), (0.01, 3000)) == 32
 
 
 def test_each_reader_reads_its_share() -> None:
     lim = ReadLimit(8, readers=4)
     assert lim.limit == 32
-    for _ in range(100):
-        lim.observe("m", 0.001)
-    for _ in range(100):
-        lim.observe("m", 0.05)
-    assert lim.limit == FLOOR * 4
+    assert fed(lim, (0.001, 100), (0.05, 100)) == FLOOR * 4
     assert ReadLimit(1).limit == 1  # a ceiling under the floor is the floor
