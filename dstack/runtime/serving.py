@@ -556,7 +556,7 @@ class Runtime:
         2,400 rps, four times a front end's capacity; docs/reliability.md, "Overload on
         an H100")."""
         self.check_admission(model)
-        if hold and self.read_limit is not None:
+        if hold:
             self._check_reading(model)
         body_rest_s = max(0.0, self.body_s(model) - since_s)
         self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
