@@ -234,7 +234,7 @@ def test_nothing_listens_beyond_loopback(ingress: Ingress) -> None:
 
 
 def test_a_move_under_load_loses_no_request(ingress: Ingress) -> None:
-    with Load(ingress.url, MODELS) as load:
+    with Load(ingress.url, MODELS, per_model=1) as load:
         time.sleep(1.0)
         # mobilenet's rate up 30x: it needs node a to itself, so tiny_a moves to b.
         placement = ingress.call(ingress.controller.feed_rates({"mob": 150}))
