@@ -296,20 +296,16 @@ def _read_answer(c: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def _burst(port: int, request: bytes, n: int) -> list[bytes]:
-    """`n` connections opened first, then the same request sent on half of them at once,
-    and on the other half as soon as the first half's last answer is in (within a
-    refusal that stands, as a rule): the answers (status line to body), in that order."""
+def _stream(port: int, request: bytes, n: int, gap_s: float) -> list[bytes]:
+    """`n` connections opened first, then the same request sent on each, `gap_s` apart:
+    the answers (status line to body). (Sent all at once, a front end reads every header
+    before the first answer is back, and no refusal is there yet to stand.)"""
     conns = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(n)]
     try:
-        first, second = conns[:n // 2], conns[n // 2:]
-        for c in first:
+        for c in conns:
             c.sendall(request)
-        last = _read_answer(first[-1])
-        for c in second:
-            c.sendall(request)
-        return [_read_answer(c) for c in first[:-1]] + [last] + [_read_answer(c)
-                                                             for c in second]
+            time.sleep(gap_s)
+        return [_read_answer(c) for c in conns]
     finally:
         for c in conns:
             c.close()
@@ -317,9 +313,10 @@ def _burst(port: int, request: bytes, n: int) -> list[bytes]:
 
 def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_process(
         tmp_path: Path) -> None:
-    """Under a burst, a front end answers a model's requests with the dispatch process's
-    refusal while it stands (`server.link.StandingRefusals`), without asking: the client
-    reads the same 429, and stats and /metrics count every refusal once."""
+    """Under a stream of requests over its capacity, a front end answers a model's
+    requests with the dispatch process's refusal while it stands
+    (`server.link.StandingRefusals`), without asking: the client reads the same 429, and
+    stats and /metrics count every refusal once."""
     s = launch({"policy": "shared", "server": {"frontends": 2},
                 "models": [{**TINY, "slo_ms": 15, "max_batch_size": 1,
                             "max_queue_delay_ms": 0}]}, tmp_path)
@@ -335,8 +332,8 @@ def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_pro
         request = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: "
                    f"{len(_infer_json())}\r\n\r\n").encode() + _infer_json()
         standing = 0.0
-        for _ in range(10):  # bursts until some refusal stood (the first does, as a rule)
-            answers = _burst(s.port, request, 60)
+        for _ in range(10):  # streams until some refusal stood (the first does, as a rule)
+            answers = _stream(s.port, request, 60, 0.0003)
             assert all(a.startswith((b"HTTP/1.1 200", b"HTTP/1.1 429")) for a in answers)
             refusals += [a for a in answers if a.startswith(b"HTTP/1.1 429")]
             time.sleep(0.1)  # what stood is told within REPORT_S
