@@ -37,8 +37,9 @@ def test_schedules_from_random_plans_validate(seed: int) -> None:
     profiles = random_profiles(rng, cores, rng.randint(1, 3))
     slos = [ModelSLO(m, rng.uniform(40, 300), rng.uniform(1, 200)) for m in profiles]
     plan = solve(profiles, slos)
-    if plan.status is SolverStatus.INFEASIBLE or not plan.models:
-        pytest.skip("no model could be placed")
+    # A model no slice can serve within its SLO is left out (INFEASIBLE names it); the
+    # schedule of those placed must validate all the same.
+    assert plan.models, plan.shortfalls
     sched = build_schedule(plan, CpuSlices(tuple(range(cores))))
     assert validate_schedule(sched, [m.model for m in plan.models]) == []
     for s in sched.slots:
