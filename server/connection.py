@@ -126,6 +126,17 @@ HEADER_READ_BYTES = 16 << 10
 #: holds no more of a body than before the app has checked it against the body budget.
 BODY_READ_BYTES = 256 << 10
 
+#: After the 400 to a request it cannot parse, a connection reads and drops what its client
+#: still sends, up to this long or until the client closes, and only then closes (nginx's
+#: `lingering_close`): a close with bytes still coming makes the kernel answer them with a
+#: reset, which destroys the 400 in the client's buffer before the client has read it.
+LINGER_S = 2.0
+
+#: uvicorn logs a WARNING for each request it cannot parse and each upgrade it does not
+#: serve, which a client can send by the thousand: at most one in this many seconds here,
+#: with the count of those left out.
+CLIENT_WARNING_EVERY_S = 10.0
+
 #: A body declared up to this size is read, once the app asks for it, from the socket
 #: straight into the one `bytes` the app is given (`_Whole`), and given in one message.
 WHOLE_BODY_BYTES = 1 << 20
@@ -251,6 +262,33 @@ class _HeadWithBody:
         return self._transport.is_closing()
 
 
+class _ClientWarnings:
+    """uvicorn's connection logger, its warnings rate-limited (`CLIENT_WARNING_EVERY_S`):
+    every one of them is about what a client sent. All else goes through as it is."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._last = -CLIENT_WARNING_EVERY_S
+        self._left_out = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < CLIENT_WARNING_EVERY_S:
+            self._left_out += 1
+            return
+        if self._left_out:
+            msg = (f"{msg} (and {self._left_out} more such warnings about clients' requests "
+                   f"in the last {now - self._last:.0f} s)")
+        self._last, self._left_out = now, 0
+        self._logger.warning(msg, *args, **kwargs)
+
+
+_client_warnings: _ClientWarnings | None = None
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `limits` (use `with_limits` to set them)."""
 
@@ -280,7 +318,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        global _client_warnings
+        if _client_warnings is None:
+            _client_warnings = _ClientWarnings(self.logger)
+        self.logger = _client_warnings  # type: ignore[assignment]
         self._timer: asyncio.TimerHandle | None = None
+        self._lingering = False  # answered 400 unparseable: what comes is dropped (LINGER_S)
         self._reading_body = False  # from the end of a header to the end of its body
         self._in_header = False  # from a request's first byte to the end of its header
         self._last_body_at = 0.0
@@ -337,7 +380,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             400, "malformed HTTP request: the request line, a header, the Content-Length "
                  "or the chunked framing could not be parsed"))
         self._drop_unread()
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close once the client has closed too, or LINGER_S from now, dropping what it
+        sends meanwhile; after an end of file (where the transport has one), so that a
+        client reading to the end reads the answer and stops. Evictable meanwhile, as
+        a connection waiting for a header, with a bare close."""
+        self._lingering = True
+        cycle = self.cycle  # a request before it, still being answered: it cannot be now
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._in_header = self._reading_body = False
+        self._whole = None
+        self._stop_sink()
+        self._wait_for_header()
+        if self.flow.read_paused:
+            self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm(LINGER_S, self.transport.close)
 
     def shutdown(self) -> None:
         if self._reading_body:  # an upload still arriving: refuse it now, never wait for it
@@ -349,7 +412,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """How many bytes to read next (`SizedReads`): BODY_READ_BYTES inside a body,
         HEADER_READ_BYTES otherwise, so that a body refused from its header stays in the
         kernel to be dropped."""
-        return BODY_READ_BYTES if self._reading_body else HEADER_READ_BYTES
+        return BODY_READ_BYTES if self._reading_body or self._lingering else HEADER_READ_BYTES
 
     # -- parser callbacks
 
@@ -366,6 +429,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._wait_for_header()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         cycle = self.cycle
         if (self._big and self._reading_body and self.limits.drop_bytes_per_s > 0
                 and (self._answered_here or (cycle is not None and cycle.response_complete))):
@@ -868,6 +933,7 @@ def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
         http=LimitedHttpToolsProtocol.with_limits(  # type: ignore[arg-type]
             limits, header_check, body_store),
         log_level=log_level or cfg.log_level,
+        ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
         access_log=False,  # one log line per request would cost more than decoding it
         timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
         ssl_certfile=cfg.tls_certfile,
