@@ -6,7 +6,8 @@ the start (target: within 5%; attainment >= 99%). Not part of the test suite.
 
 Capacity is a multiple of the mix's `rate_rps` (`--capacity-scale`; `make chaos` prints
 the one it calibrates). Memory is sampled after the first minute (the start: models
-loaded and warm) and after the last.
+loaded and warm) and after the last. `--frontends N` serves through N front-end processes
+(`server.frontends`), each of whose memory is reported too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import yaml
 
 from bench import chaos_load as cl
 from bench.bench_chaos import OUT, config, run, worker_pid
-from bench.servers import ROOT, serving
+from bench.servers import ROOT, front_ends, serving
 
 MIX = ROOT / "configs/bench-mix-dstack.yaml"
 
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-scale", type=float, default=1.0,
                    help="capacity as a multiple of the mix's rate_rps")
     p.add_argument("--window-seconds", type=float, default=60.0)
+    p.add_argument("--frontends", type=int, default=1,
+                   help="server.frontends: front-end processes (1: the server alone)")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     models = yaml.safe_load(MIX.read_text())["models"]
@@ -44,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
           + f"); {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}", flush=True)
     per_window = []
     total = cl.Tally()
-    with serving(config("dstack", "soak"), OUT / "soak.log") as srv:
-        pids = {"server": srv.pid, **{f"worker {m}": worker_pid(srv, m) for m in rates}}
+    with serving(config("dstack", "soak", {"frontends": args.frontends}),
+                 OUT / "soak.log") as srv:
+        pids = {"server": srv.pid, **{f"worker {m}": worker_pid(srv, m) for m in rates},
+                **{f"front end {i}": pid for i, pid in enumerate(front_ends(srv.pid), 1)}}
         t0 = time.monotonic()
         for w in range(windows):
             res = run(cl.open_loop(srv.host, rates, slos, args.window_seconds, seed=w + 1))
