@@ -287,7 +287,7 @@ class _ClientWarnings:
         self._logger.warning(msg, *args, **kwargs)
 
 
-_client_warnings: _ClientWarnings | None = None
+_CLIENT_WARNINGS = _ClientWarnings(logging.getLogger("uvicorn.error"))  # uvicorn's own
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -319,10 +319,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        global _client_warnings
-        if _client_warnings is None:
-            _client_warnings = _ClientWarnings(self.logger)
-        self.logger = _client_warnings  # type: ignore[assignment]
+        self.logger = _CLIENT_WARNINGS  # type: ignore[assignment]
         self._timer: asyncio.TimerHandle | None = None
         self._lingering = False  # answered 400 unparseable: what comes is dropped (LINGER_S)
         self._reading_body = False  # from the end of a header to the end of its body
@@ -543,10 +540,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         made = made or unfilled_bytes(self._body_left)
         if made is None:
             return
-        self._whole = whole = _Whole(*made)
+        self._whole = _Whole(*made)
         # A `body_store`'s object is given as it is, not as bytes (uvicorn's receive() makes
         # bytes of what it has): kept here until then.
-        stored = [] if type(whole.body) is bytes else [whole.body]
+        body = self._whole.body
+        stored = [] if type(body) is bytes else [body]
         # `asked` becomes an attribute of the cycle: it holds the cycle weakly and its
         # receive unbound, so that the two make no reference cycle, which only the garbage
         # collector frees, and with it every body it held (the server's memory grew by
