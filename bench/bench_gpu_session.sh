@@ -7,8 +7,9 @@
 # generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
 # OVERLOAD_ARGS="--capacity-scale 8"). Servers share one MPS daemon. Each step has its own
 # timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
-# A bare lent machine first needs `setup`: the wheels carried in .whl/ (docs/gpu.md) installed
-# into /tmp/site and the Cython modules built in place.
+# A bare lent machine first needs `setup`: the wheels carried in .whl/ (made here by
+# `bash bench/gpu_wheels.sh`) installed into /tmp/site, the server's imports checked (exit 5,
+# naming what is missing) and the Cython modules built in place.
 # usage: bash bench/bench_gpu_session.sh [STEPS]   (default: all; e.g. "setup sweep trace")
 set -u
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
@@ -20,6 +21,8 @@ case " $STEPS " in *" setup "*)
       --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
   fi
+  err=$(python3 -c "import server.main, server.frontends, bench.bench_chaos" 2>&1) \
+    || { echo "setup: the server cannot import: ${err##*$'\n'}"; exit 5; }
   python3 setup.py -q build_ext --inplace > "$OUT/logs/build.txt" 2>&1 \
     || { tail -20 "$OUT/logs/build.txt"; exit 4; } ;;
 esac
