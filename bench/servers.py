@@ -186,14 +186,16 @@ def refusals_since(after: dict[str, Lateness], before: dict[str, Lateness]
 
 
 def refusal_summary(times: dict[str, Lateness]) -> str:
-    """'at the header N (J%, p99 <= X ms), after the body M (K%, p99 <= Y ms)': each
-    stage's refusals and share of them, as the server timed them from the first byte."""
+    """'at the header N (J%, p99 <= X ms, A over 5 ms), after the body M (K%, p99 <= Y ms,
+    B over 5 ms)': each stage's refusals, their share, and how many took more than 5 ms
+    (the overload target's p99), as the server timed them from the first byte."""
     total = sum(t.count for t in times.values())
     if not total:
         return "no refusals"
     return ", ".join(f"{'at the header' if stage == 'header' else 'after the body'} "
                      f"{t.count} ({100 * t.count / total:.1f}%, p99 <= "
-                     f"{1000 * t.quantile_s(0.99):g} ms)" for stage, t in times.items())
+                     f"{1000 * t.quantile_s(0.99):g} ms, {t.over(0.005)} over 5 ms)"
+                     for stage, t in times.items())
 
 
 def model_stats(host: str, model: str) -> dict[str, int]:
