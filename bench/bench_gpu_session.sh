@@ -5,7 +5,8 @@
 # front end's CPU per request and per refusal on this host's CPU) and overload (the chaos
 # benchmark's overload scenario on the GPU mix: dstack and spatial side by side, the load
 # generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
-# OVERLOAD_ARGS="--capacity-scale 8"). Servers share one MPS daemon. Each step has its own
+# OVERLOAD_ARGS="--capacity-scale 8"; PROFILE=dstack+4fe: a py-spy profile of that server).
+# Servers share one MPS daemon. Each step has its own
 # timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
 # A bare lent machine first needs `setup`: the wheels carried in .whl/ (made here by
 # `bash bench/gpu_wheels.sh`) installed into /tmp/site, the server's imports checked (exit 5,
@@ -94,14 +95,27 @@ fi
 if step overload; then
   N=$(nproc); mps_start
   t0=$(date +%s)
+  # PROFILE=LABEL (e.g. dstack+4fe): py-spy (a carried wheel) samples that server's deciding
+  # process for PROFILE_S s from PROFILE_DELAY s after it starts, without pausing it.
+  if [ -n "${PROFILE:-}" ]; then
+    ( for _ in $(seq 1 300); do
+        pid=$(pgrep -f "serve --config .*/overload-${PROFILE//+/\\+}\.yaml" | head -1)
+        [ -n "$pid" ] && break; sleep 1; done
+      [ -z "${pid:-}" ] && exit 0
+      sleep "${PROFILE_DELAY:-20}"
+      py-spy record -p "$pid" -d "${PROFILE_S:-60}" -r 100 --nonblocking -f raw \
+        -o "$OUT/logs/profile.raw" > "$OUT/logs/profile.txt" 2>&1 ) &
+  fi
   # shellcheck disable=SC2086
   env $MPS_ENV timeout "${OVERLOAD_S:-480}" python3 -m bench.bench_chaos --only overload \
     --mix h100 --load-cores $(seq -s ' ' $((N / 2)) $((N - 1))) --load-procs "${LOAD_PROCS:-4}" \
     ${OVERLOAD_ARGS:-} > "$OUT/logs/overload.txt" 2>&1
   echo "overload rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
-  mps_stop
+  mps_stop; wait
   cp out/chaos/chaos.json "$OUT/logs/overload.json" 2>/dev/null
-  tail -c 3000 out/chaos/overload-dstack.log > "$OUT/logs/overload-dstack-server.txt" 2>/dev/null
+  for f in out/chaos/overload-*.log; do  # (no "+" in a name that comes back)
+    b=$(basename "$f" .log); tail -c 20000 "$f" > "$OUT/logs/server-${b//+/-}.txt"
+  done
   grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"; pack
 fi
 pack

@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 NAMES="annotated-doc annotated-types anyio h11 fastapi httptools orjson PuLP pydantic
-pydantic_core pysimdjson starlette typing-inspection typing_extensions uvicorn opentelemetry-api"
+pydantic_core pysimdjson starlette typing-inspection typing_extensions uvicorn opentelemetry-api
+py-spy"
 pins=()
 for n in $NAMES; do
   pin=$(grep -i -E "^${n//[-_]/[-_]}==" constraints.txt) || { echo "no pin for $n in constraints.txt" >&2; exit 2; }
