@@ -6,8 +6,8 @@
 # benchmark's overload scenario on the GPU mix: dstack and spatial side by side, the load
 # generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
 # OVERLOAD_ARGS="--capacity-scale 8"; PROFILE=dstack+4fe: a py-spy profile of that server).
-# Servers share one MPS daemon. Each step has its own
-# timeout so the script always reaches the end; results go to $OUT/results.tgz + logs.
+# Servers share one MPS daemon. Each step has its own timeout so the script always reaches
+# the end; results go to $OUT/results.tgz + logs.
 # A bare lent machine first needs `setup`: the wheels carried in .whl/ (made here by
 # `bash bench/gpu_wheels.sh`) installed into /tmp/site, the server's imports checked (exit 5,
 # naming what is missing) and the Cython modules built in place.
