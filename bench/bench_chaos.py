@@ -66,6 +66,7 @@ from bench.servers import (
     ROOT,
     Server,
     front_ends,
+    frontend_refusals,
     frontends_loop_late,
     get_json,
     loop_late,
@@ -73,7 +74,6 @@ from bench.servers import (
     refusal_times,
     refusals_since,
     serving,
-    standing_refusals,
 )
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import Lateness, freeze_startup_objects
@@ -208,6 +208,7 @@ class _Levels:
     slos: dict[str, float]
     cap: float
     pids: dict[str, int]
+    decide_ms: float = 0.0  # server.decision_timeout_ms
     tallies: dict[int | str, cl.Tally] = field(
         default_factory=lambda: {x: cl.Tally() for x in _KEYS})
     floors: dict[int | str, list[float]] = field(default_factory=lambda: {x: [] for x in _KEYS})
@@ -248,12 +249,15 @@ def overload(args: argparse.Namespace) -> list[Row]:
     with ExitStack() as stack:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
-        for policy, n in ((p, n) for p in args.policies for n in args.frontends):
+        for policy, n, ms in ((p, k, ms) for p in args.policies for k in args.frontends
+                              for ms in (args.decision_timeouts_ms if k > 1 else [0.0])):
             base, slos = mix(policy)
-            label = policy if n == 1 else f"{policy}+{n}fe"  # server.frontends: n
+            # server.frontends: n, server.decision_timeout_ms: ms
+            label = (policy if n == 1 else f"{policy}+{n}fe") + (f"+{ms:g}ms" if ms else "")
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
-            server = {**(front or {}), "frontends": n} if n > 1 else front
+            server = ({**(front or {}), "frontends": n,
+                       **({"decision_timeout_ms": ms} if ms else {})} if n > 1 else front)
             srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
                                                      top=args.top),
                                               OUT / f"overload-{label}.log"))
@@ -269,7 +273,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
             runs[label] = _Levels(srv, base, slos, cap,
                                   {"server": srv.pid, **{m: worker_pid(srv, m) for m in base},
                                    **{f"front end {k}": pid
-                                      for k, pid in enumerate(front_ends(srv.pid))}})
+                                      for k, pid in enumerate(front_ends(srv.pid))}}, ms)
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
         if front:  # the load generator (and the control's burner) join the front end
             pin_threads(tuple(args.frontend_cores))
@@ -329,9 +333,11 @@ def overload(args: argparse.Namespace) -> list[Row]:
 def outside_server(t: cl.Tally) -> dict[str, tuple[float, float]]:
     """The p50 and p99 of the time (ms) the load generator waited beyond the server's own
     time (Server-Timing) for answers and for refusals: before the server read the first
-    byte, on the way back, and in the client."""
+    byte, on the way back, and in the client; and of the refusals', the client's own: from
+    the last byte parsed to the request's await done."""
     return {k: (round(cl.pct(v, 50), 1), round(cl.pct(v, 99), 1))
-            for k, v in (("answers", t.outside_ms), ("refusals", t.refusal_outside_ms)) if v}
+            for k, v in (("answers", t.outside_ms), ("refusals", t.refusal_outside_ms),
+                         ("refusals in the client", t.refusal_own_ms)) if v}
 
 
 def _median_terms(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -362,7 +368,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     load0 = sum(os.times()[:2])
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
-    fe_late0, standing0 = frontends_loop_late(lv.srv.host), standing_refusals(lv.srv.host)
+    fe_late0, fe_refused0 = frontends_loop_late(lv.srv.host), frontend_refusals(lv.srv.host)
     t0 = time.monotonic()
     load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                 seed=100 * rep + _times(x), procs=LOAD_PROCS)
@@ -376,7 +382,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     fe_late = frontends_loop_late(lv.srv.host).since(fe_late0)
     lv.frontends_late[x].merge(fe_late)
     refused = refusals_since(refusal_times(lv.srv.host), refused0)
-    standing = standing_refusals(lv.srv.host) - standing0
+    fe_refused = {k: v - fe_refused0[k] for k, v in frontend_refusals(lv.srv.host).items()}
     for stage, times in refused.items():
         lv.refusals[x].setdefault(stage, Lateness()).merge(times)
     used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
@@ -404,7 +410,9 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           + (f"front ends' {fe_late.summary()}; " if fe_late.count else "")
           + "server's refusals "
           f"{refusal_summary(refused)}"
-          + (f" ({standing} of them standing at a front end)" if fe_late.count else "")
+          + (f" ({fe_refused['standing']} of them standing at a front end"
+             + (f", {fe_refused['undecided']} not decided in time" if lv.decide_ms else "")
+             + ")" if fe_late.count else "")
           + f"; answered late: {cl.format_late(res, lv.slos)}; "
           f"time outside the server's p50 / p99 (ms): {outside_server(t)}", flush=True)
 
@@ -880,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontends", type=int, nargs="+", default=[1],
                    help="overload, refusal-cost, accept-cost: each server once per value of "
                         "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
+    p.add_argument("--decision-timeouts-ms", type=float, nargs="+", default=[0.0],
+                   help="overload: each server with front ends once per value of "
+                        "server.decision_timeout_ms (labelled +Xms; 0: none), side by side")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")

@@ -51,6 +51,8 @@ class Tally:
     late_in_server: int = 0
     outside_ms: list[float] = field(default_factory=list)  # answered 200
     refusal_outside_ms: list[float] = field(default_factory=list)  # 429 / 503
+    # of that, the client's own: from the refusal's last byte parsed to its await done
+    refusal_own_ms: list[float] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
         for k in ("sent", "ok", "late", "other_4xx", "err_5xx", "hung", "conn",
@@ -62,6 +64,7 @@ class Tally:
         self.refusal_ms += other.refusal_ms
         self.outside_ms += other.outside_ms
         self.refusal_outside_ms += other.refusal_outside_ms
+        self.refusal_own_ms += other.refusal_own_ms
         for k, v in other.refusal_ms_by_reason.items():
             self.refusal_ms_by_reason.setdefault(k, []).extend(v)
         self.samples_5xx += other.samples_5xx[:3]
@@ -77,7 +80,7 @@ class Tally:
                 if any(at - ms / 1000 < b and at > a for a, b in spans)]
 
     def record(self, status: int, body: bytes, headers: Any, ms: float, slo_ms: float,
-               at: float = float("nan")) -> None:
+               at: float = float("nan"), own_ms: float | None = None) -> None:
         self.sent += 1
         server = server_ms(headers)
         if status == 200:
@@ -105,6 +108,8 @@ class Tally:
             self.refusal_ms.append(ms)
             if server is not None:
                 self.refusal_outside_ms.append(ms - server)
+            if own_ms is not None:
+                self.refusal_own_ms.append(own_ms)
             self.refusal_ms_by_reason.setdefault(reason, []).append(ms)
         elif 400 <= status < 500:
             self.other_4xx += 1
@@ -237,7 +242,7 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
         async with sem:
             t0 = time.perf_counter()
             try:
-                status, data, rh = await client.send(requests[m], hang_s)
+                (status, data, rh), parsed_at = await client.send_timed(requests[m], hang_s)
             except TimeoutError:
                 t.sent += 1
                 t.hung += 1
@@ -247,7 +252,7 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                 t.conn += 1
                 return
             t1 = time.perf_counter()
-            t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
+            t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1, (t1 - parsed_at) * 1000)
 
     # as the server's is (`Runtime.loop_late`)
     ticker = asyncio.create_task(count_lateness(loop_late)) if loop_late is not None else None

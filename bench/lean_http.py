@@ -12,6 +12,7 @@ with one future per request and no task, timer or header object of its own.
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import urlsplit
 
 import httptools
@@ -24,7 +25,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.waiter: asyncio.Future[tuple[Answer, bool]] | None = None
+        self.waiter: asyncio.Future[tuple[Answer, bool, float]] | None = None
         self.body: list[bytes] = []
         self.headers: dict[str, str] = {}
         self.lost = False
@@ -52,7 +53,7 @@ class _Connection(asyncio.Protocol):
         self.body, self.headers = [], {}
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
-            waiter.set_result((answer, keep))
+            waiter.set_result((answer, keep, time.perf_counter()))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -84,6 +85,11 @@ class LeanClient:
     async def send(self, request: bytes, timeout_s: float) -> Answer:
         """Send a request made by `post` and wait for its answer; TimeoutError after
         `timeout_s` (the connection is closed), ConnectionError when it fails."""
+        return (await self.send_timed(request, timeout_s))[0]
+
+    async def send_timed(self, request: bytes, timeout_s: float) -> tuple[Answer, float]:
+        """`send`, and the time.perf_counter() at which the answer's last byte was parsed
+        (how long this process then took to get back to the caller is its own delay)."""
         loop = asyncio.get_running_loop()
         conn = None
         while self.idle and conn is None:
@@ -92,13 +98,13 @@ class LeanClient:
                 conn = None
         if conn is None:
             conn = await self._connect(loop)
-        waiter: asyncio.Future[tuple[Answer, bool]] = loop.create_future()
+        waiter: asyncio.Future[tuple[Answer, bool, float]] = loop.create_future()
         conn.waiter = waiter
         assert conn.transport is not None
         conn.transport.write(request)
         expiry = loop.call_later(timeout_s, _expire, waiter)
         try:
-            answer, keep = await waiter
+            answer, keep, parsed_at = await waiter
         except BaseException:
             conn.transport.close()
             raise
@@ -108,7 +114,7 @@ class LeanClient:
             self.idle.append(conn)
         else:
             conn.transport.close()
-        return answer
+        return answer, parsed_at
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> _Connection:
         _, conn = await loop.create_connection(_Connection, self.host, self.port)
@@ -121,6 +127,6 @@ class LeanClient:
         self.idle.clear()
 
 
-def _expire(waiter: asyncio.Future[tuple[Answer, bool]]) -> None:
+def _expire(waiter: asyncio.Future[tuple[Answer, bool, float]]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())

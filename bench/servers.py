@@ -159,15 +159,19 @@ def frontends_loop_late(host: str) -> Lateness:
     return histogram_counts(_metrics(host), "dstack_frontend_loop_late_seconds")
 
 
-def standing_refusals(host: str) -> int:
-    """The server's `dstack_frontend_standing_refusals` (/metrics): requests its front ends
-    refused within a standing refusal, without asking the dispatch process (0 without)."""
+def frontend_refusals(host: str) -> dict[str, int]:
+    """Refusals the server's front ends answered without the dispatch process's decision
+    (/metrics; 0 without front ends): `standing` (within a standing refusal, without
+    asking: `dstack_frontend_standing_refusals`) and `undecided` (not decided on within
+    `server.decision_timeout_ms`: `dstack_frontend_undecided_refusals`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    out = {"standing": 0, "undecided": 0}
     for fam in text_string_to_metric_families(_metrics(host)):
-        if fam.name == "dstack_frontend_standing_refusals":
-            return int(sum(sample.value for sample in fam.samples))
-    return 0
+        for kind in out:
+            if fam.name == f"dstack_frontend_{kind}_refusals":
+                out[kind] = int(sum(sample.value for sample in fam.samples))
+    return out
 
 
 def refusal_times(host: str) -> dict[str, Lateness]:

@@ -36,7 +36,15 @@ from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
 from server.early import INFER_PATH, TooLate, checked_as_it_arrives
 from server.limits import BodyBudget, error_json, refuse, retry_after
-from server.link import STOPPING, Link, SharedBodies, SharedBody, StandingRefusals, error_of
+from server.link import (
+    STOPPING,
+    Link,
+    SharedBodies,
+    SharedBody,
+    StandingRefusals,
+    error_of,
+    undecided_error,
+)
 
 log = logging.getLogger("dstack.server")
 
@@ -48,14 +56,19 @@ class LinkHeaderCheck:
     connection as the one-process server's `server.early.HeaderRefusal` writes it; a
     request let through goes to the app with its id on the link (`LINK_ID`), its place
     held. A refusal that stands (`StandingRefusals`) answers the model's next requests
-    without asking, while it does. Not asked (None: `FrontEndRefusal` asks): other routes,
-    bodies over `max_body_bytes`, requests without the token where one is wanted."""
+    without asking, while it does. `decide_s` (`server.decision_timeout_ms`; 0: none): a
+    request not decided on within it of its first byte is refused here (`undecided_error`)
+    and the dispatch process told (`u`: it gives back the place it held, if it let it
+    through, and counts the refusal). Not asked (None: `FrontEndRefusal` asks): other
+    routes, bodies over `max_body_bytes`, requests without the token where one is wanted."""
 
     def __init__(self, link: Link, *, max_body_bytes: int,
-                 allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None) -> None:
+                 allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None,
+                 decide_s: float = 0.0) -> None:
         self.link = link
         self.max_body_bytes = max_body_bytes
         self.allowed = allowed
+        self.decide_s = decide_s
         self.standing = StandingRefusals(link)
 
     def __call__(self, path: str, headers: list[tuple[bytes, bytes]], length: int,
@@ -71,8 +84,11 @@ class LinkHeaderCheck:
             return standing
         i = next(self.link.ids)
         resume = scope[ANSWER_LATER]
+        timer: asyncio.TimerHandle | None = None
 
         def answered(reply: dict[str, Any] | None, _: bytes) -> None:
+            if timer is not None:
+                timer.cancel()
             if reply is None:
                 e: DStackError = Unavailable(STOPPING)
                 e.retry_after_s = 1.0
@@ -92,7 +108,20 @@ class LinkHeaderCheck:
         if not self.link.ask({"k": "h", "i": i, "m": key[0], "v": key[1], "t": received},
                              answered):
             return None
+        if self.decide_s > 0:
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, received + self.decide_s - time.monotonic()),
+                self._undecided, i, key[0], received, resume)
         return LATER
+
+    def _undecided(self, i: int, model: str, received: float,
+                   resume: Callable[[Any], bool]) -> None:
+        if self.link.waiting.pop(i, None) is None:  # answered meanwhile
+            return
+        self.link.tell({"k": "u", "i": i, "m": model, "t": received})
+        e = undecided_error(model, self.decide_s)
+        resume((e.status_code, [(b"content-type", b"application/json")],
+                error_json(e.message, e.rule)))
 
 
 #: A front end's shared memory for binary infer bodies (`server.link.SharedBodies`), at
@@ -375,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
                          drain_bytes=s.max_body_bytes)
     check = LinkHeaderCheck(link, max_body_bytes=s.max_body_bytes,
-                            allowed=header_allows(token, s.auth_open_paths))
+                            allowed=header_allows(token, s.auth_open_paths),
+                            decide_s=s.decision_timeout_ms / 1000)
     config = server_config(app, s, header_check=check, body_store=bodies.store)
     config.lifespan = "off"
 

@@ -49,8 +49,9 @@ from typing import Any
 import orjson
 from starlette.types import Message
 
-from dstack.common.errors import DStackError, Unavailable
+from dstack.common.errors import DeadlineRefused, DStackError, Unavailable
 from dstack.common.pauses import Lateness
+from dstack.runtime.dispatch import RefusalReason
 from dstack.runtime.shm import memory_file
 from server.connection import RECEIVED_AT
 from server.early import HELD, INFER_PATH
@@ -175,6 +176,20 @@ def error_of(meta: dict[str, Any]) -> DStackError:
     return e
 
 
+def undecided_error(model: str, decide_s: float) -> DStackError:
+    """The refusal a front end answers a request with when the dispatch process has not
+    decided on its header within `decide_s` of its first byte (`server.decision_timeout_ms`):
+    a 429 by the rule `work_ahead`, as the dispatch core's (the work ahead is the dispatch
+    process's own)."""
+    e = DeadlineRefused(
+        f"model {model}: the server did not decide on this request within "
+        f"{decide_s * 1000:g} ms of its first byte (server.decision_timeout_ms): too much "
+        "work ahead; retry later")
+    e.rule = RefusalReason.WORK_AHEAD.value
+    e.logged = True
+    return e
+
+
 def _refusal_meta(i: int, e: DStackError) -> dict[str, Any]:
     return {"k": "no", "i": i, "s": e.status_code, "e": e.message, "r": e.rule,
             "ra": e.retry_after_s, "why": e.reason}
@@ -194,8 +209,9 @@ class Dispatch:
     by `server.main.build_app` without auth: the front ends check it) answers every
     request; its runtime's `refuse_early` and `release` decide and hold at the header."""
 
-    def __init__(self, app: Any, runtime: Any, version: str) -> None:
+    def __init__(self, app: Any, runtime: Any, version: str, decide_s: float = 0.0) -> None:
         self.app = app
+        self.decide_s = decide_s  # the front ends' `server.decision_timeout_ms`
         self.infer = app.state.infer_endpoint
         self.failed = app.state.metrics.failed
         self.metrics = app.state.metrics
@@ -245,6 +261,12 @@ class _DispatchLink(FrameReader):
             held = self.holds.pop(meta["i"], None)
             if held is not None:
                 self._release(held)
+        elif k == "u":
+            self.d.metrics.frontends_undecided += 1
+            held = self.holds.pop(meta["i"], None)
+            if held is not None:  # let through: refused by the front end after all
+                self._release(held)
+                self._count_undecided(meta)
         elif k == "lr":
             self._refused_standing(meta)
         elif k == "late":
@@ -264,6 +286,10 @@ class _DispatchLink(FrameReader):
 
     def _header(self, meta: dict[str, Any]) -> None:
         i, model = meta["i"], meta["m"]
+        if self.d.decide_s and time.monotonic() - meta["t"] >= self.d.decide_s:
+            # too late to decide: the front end refuses it (`u` follows), counted here
+            self._count_undecided(meta)
+            return
         ask = self.d.refuse_early
         if ask is None or meta.get("v") not in (None, self.d.version):
             self.send({"k": "go", "i": i})  # the route answers it (404 for a wrong version)
@@ -278,8 +304,7 @@ class _DispatchLink(FrameReader):
             self.send(_standing_meta(i, e) if self.d.count_refused is not None
                       else _refusal_meta(i, e))
             return
-        if self.d.release is not None:
-            self.holds[i] = (model, token)
+        self.holds[i] = (model, token)  # (given back only where `release` is)
         self.send({"k": "go", "i": i})
 
     def _refused_standing(self, meta: dict[str, Any]) -> None:
@@ -292,6 +317,22 @@ class _DispatchLink(FrameReader):
         for s in took:
             self.d.failed(model, e, "header", now - s)
         self.d.metrics.frontends_standing_refusals += len(took)
+
+    def _count_undecided(self, meta: dict[str, Any]) -> None:
+        """A request for `m` refused by its front end (`undecided_error`), the decision
+        on its header not come within `decide_s` of its first byte `t`: counted as the
+        dispatch core's refusals at the header are (a model it does not serve is not:
+        the route would have answered 404)."""
+        model = meta["m"]
+        try:
+            if self.d.count_refused is None:
+                return
+            self.d.count_refused(model, RefusalReason.WORK_AHEAD.value, 1)
+        except KeyError:
+            return
+        # timed as the front end answered it: `decide_s` after its first byte
+        self.d.failed(model, undecided_error(model, self.d.decide_s), "header",
+                      time.monotonic() - self.d.decide_s)
 
     def _check(self, meta: dict[str, Any]) -> None:
         i, model = meta["i"], meta["m"]

@@ -187,9 +187,10 @@ class _Dispatching:
         await self.runtime.start()
         folder = Path(tempfile.mkdtemp(prefix="dstack-link-"))
         try:
-            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION)
-            listening = await dispatch.listen(folder / "link")
             s = self.cfg.server
+            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION,
+                                s.decision_timeout_ms / 1000)
+            listening = await dispatch.listen(folder / "link")
             fronts = FrontEnds(s.frontends, self.config_path, sock.fileno(), folder,
                                self.frontend_cores)
             try:
@@ -259,8 +260,9 @@ def run_until_stopped(prepare: Callable[[], tuple[Runnable, socket.socket]],
 def listen(host: str, port: int, cfg: ServerConfig, token: str | None) -> socket.socket:
     """The listening socket for `cfg`, checked before anything slow starts: the file
     descriptor limit raised for its connection cap, the address bound (a `StartupError`
-    naming it when it cannot be), a warning when it is not loopback and no token is set,
-    and the TLS files loaded once."""
+    naming it when it cannot be), a warning when it is not loopback and no token is set
+    (or when a setting for front ends is set without them), and the TLS files loaded
+    once."""
     raise_fd_limit(cfg.max_connections)
     try:
         sock = bind(host, port)
@@ -268,6 +270,9 @@ def listen(host: str, port: int, cfg: ServerConfig, token: str | None) -> socket
         why = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise StartupError(f"cannot listen on {host}:{port}: {why}") from None
     _warn_if_exposed(sock.getsockname()[0], token)
+    if cfg.decision_timeout_ms and cfg.frontends == 1:
+        log.warning("server.decision_timeout_ms is for front ends (server.frontends > 1); "
+                    "one process decides at the header itself, without it")
     _check_tls_files(cfg)  # before the slow imports: fail fast
     return sock
 

@@ -303,6 +303,11 @@ class _FrontEnds(Collector):
             "Infer requests a front end refused at the header within a refusal of the "
             "dispatch process that still stood, without asking it (counted with the other "
             "refusals too)", value=self.metrics.frontends_standing_refusals)
+        yield CounterMetricFamily(
+            "dstack_frontend_undecided_refusals",
+            "Infer requests a front end refused at the header because the dispatch process "
+            "had not decided on them within server.decision_timeout_ms (counted with the "
+            "other refusals too)", value=self.metrics.frontends_undecided)
 
 
 _UNSUFFIXED = (
@@ -340,6 +345,7 @@ class Metrics:
         self.frontends_late: Lateness | None = None
         self.frontends_shared_bodies = 0
         self.frontends_standing_refusals = 0
+        self.frontends_undecided = 0
         self.registry.register(_FrontEnds(self))
 
     def failed(self, model: str, e: DStackError, stage: str,

@@ -369,3 +369,46 @@ def _counter(srv: ServerProcess, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", _get_text(srv, "/metrics"), re.M)
     assert m is not None, name
     return float(m.group(1))
+
+
+def test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided(
+        tmp_path: Path) -> None:
+    """`server.decision_timeout_ms`: while the dispatch process is stopped (SIGSTOP: a
+    loop that falls behind, at its worst), the front ends answer infer requests
+    themselves once the time is up, 429 `work_ahead`; once it runs again it counts each
+    of them once, and serves as before."""
+    s = launch({"policy": "shared", "models": [TINY],
+                "server": {"frontends": 2, "decision_timeout_ms": 200}}, tmp_path)
+    try:
+        wait_ready(s)
+        assert _post(s, _infer_json())[0] == 200  # decided in time: served
+        sent = 6
+        os.kill(s.pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(sent) as pool:
+                answers = list(pool.map(lambda _: _post(s, _infer_json()), range(sent)))
+            # (all answered while it is stopped: by the front ends)
+        finally:
+            os.kill(s.pid, signal.SIGCONT)
+        for status, payload, headers in answers:
+            assert (status, payload["reason"]) == (429, "work_ahead")
+            assert "did not decide on this request within 200 ms" in payload["error"]
+            assert headers["server-timing"].startswith("total;dur=")
+        assert _post(s, _infer_json())[0] == 200
+        deadline = time.monotonic() + 10
+        while _counter(s, "dstack_frontend_undecided_refusals_total") < sent:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text = _get_text(s, "/metrics")
+        assert _counter(s, "dstack_frontend_undecided_refusals_total") == sent
+        header = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",
+                                  stage="header")
+        assert sum(header.counts) == sent
+        m = re.search(r'^dstack_request_refused_by_rule\{[^}]*rule="work_ahead"[^}]*\} (\S+)$',
+                      text, re.M)
+        assert m is not None and float(m.group(1)) == sent
+        stats = json.loads(_get_text(s, "/v2/models/tiny_cnn/stats"))
+        inference = stats["model_stats"][0]["inference_stats"]
+        assert (inference["fail"]["count"], inference["success"]["count"]) == (sent, 2)
+    finally:
+        s.stop()

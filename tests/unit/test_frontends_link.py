@@ -6,11 +6,16 @@ at a front end, and their counting by the dispatch process."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import random
 import time
 from types import SimpleNamespace
 from typing import Any
 
+from dstack.common.errors import DeadlineRefused, ModelNotFound
+from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
+from server.frontends import LinkHeaderCheck
 from server.link import (
     READ_BYTES,
     REPORT_S,
@@ -200,3 +205,120 @@ def test_refusals_told_by_a_front_end_are_counted_as_the_dispatch_process_counts
     # each timed as the front end timed it, from its first byte to its refusal
     assert 0.001 <= failed[0][3] < 0.05 and 0.003 <= failed[1][3] < 0.05
     assert metrics.frontends_standing_refusals == 2
+
+
+def _dispatch_end(decide_s: float, admit: bool = True) -> tuple[_DispatchLink, _Record]:
+    """A dispatch process's end of a link with `decide_s` (`server.decision_timeout_ms`),
+    whose runtime lets every header through (`admit`) or refuses it for work ahead."""
+    rec = _Record()
+
+    def refuse_early(model: str, hold: bool = False) -> int | None:
+        if model not in ("m",):
+            raise ModelNotFound(f"no model {model}")
+        if not admit:
+            rec.counted.append((model, "work_ahead", 1))
+            raise DeadlineRefused(f"model {model}: work ahead")
+        return 41
+
+    def count_refused(model: str, rule: str, n: int) -> None:
+        if model != "m":
+            raise KeyError(model)
+        rec.counted.append((model, rule, n))
+
+    d = SimpleNamespace(
+        decide_s=decide_s, version="1", refuse_early=refuse_early, count_refused=count_refused,
+        release=lambda m, token: rec.released.append((m, token)),
+        failed=lambda m, e, stage, at: rec.failed.append(
+            (m, e.status_code, e.rule, stage, time.monotonic() - at)),
+        metrics=SimpleNamespace(frontends_undecided=0))
+    end = _DispatchLink(d)  # type: ignore[arg-type]
+    end.send = lambda meta, payload=b"": rec.sent.append(meta)  # type: ignore[method-assign]
+    return end, rec
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.counted: list[tuple[str, str, int]] = []
+        self.released: list[tuple[str, int | None]] = []
+        self.failed: list[tuple[str, int, str | None, str, float]] = []
+
+
+def test_a_header_the_front_end_refused_undecided_is_given_back_and_counted_once() -> None:
+    end, rec = _dispatch_end(0.05)
+    now = time.monotonic()
+    # decided in time and let through; the answer came too late: the front end refused it
+    end.on_frame({"k": "h", "i": 1, "m": "m", "t": now}, b"")
+    assert [m["k"] for m in rec.sent] == ["go"] and rec.released == []
+    end.on_frame({"k": "u", "i": 1, "m": "m", "t": now}, b"")
+    assert rec.released == [("m", 41)]  # its place is free again
+    assert rec.counted == [("m", "work_ahead", 1)]
+    [(model, status, rule, stage, took)] = rec.failed
+    assert (model, status, rule, stage) == ("m", 429, "work_ahead", "header")
+    assert 0.05 <= took < 0.5  # timed as the front end answered it
+    # read after its time was up: not decided (no answer, nothing held), counted once
+    end.on_frame({"k": "h", "i": 2, "m": "m", "t": now - 0.06}, b"")
+    end.on_frame({"k": "u", "i": 2, "m": "m", "t": now - 0.06}, b"")
+    assert [m["k"] for m in rec.sent] == ["go"] and rec.released == [("m", 41)]
+    assert rec.counted == [("m", "work_ahead", 1)] * 2 and len(rec.failed) == 2
+    # a model the server does not serve: not counted (no series for clients' made-up names)
+    end.on_frame({"k": "h", "i": 3, "m": "nope", "t": now - 0.06}, b"")
+    end.on_frame({"k": "u", "i": 3, "m": "nope", "t": now - 0.06}, b"")
+    assert len(rec.counted) == 2 and len(rec.failed) == 2
+    assert end.d.metrics.frontends_undecided == 3
+
+
+def test_a_header_refused_in_time_and_answered_late_is_counted_once() -> None:
+    end, rec = _dispatch_end(0.05, admit=False)
+    now = time.monotonic()
+    end.on_frame({"k": "h", "i": 1, "m": "m", "t": now}, b"")
+    end.on_frame({"k": "u", "i": 1, "m": "m", "t": now}, b"")
+    assert [m["k"] for m in rec.sent] == ["no"]
+    assert rec.counted == [("m", "work_ahead", 1)] and rec.released == []
+
+
+def test_without_a_decision_timeout_every_header_is_decided() -> None:
+    end, rec = _dispatch_end(0.0)
+    end.on_frame({"k": "h", "i": 1, "m": "m", "t": time.monotonic() - 10}, b"")
+    assert [m["k"] for m in rec.sent] == ["go"]
+
+
+class _AskingLink:
+    """A front end's link whose questions are kept, answered by the test (or never)."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+        self.waiting: dict[int, Any] = {}
+        self.told: list[dict[str, Any]] = []
+
+    def ask(self, meta: dict[str, Any], waiter: Any) -> bool:
+        self.waiting[meta["i"]] = waiter
+        return True
+
+    def tell(self, meta: dict[str, Any]) -> None:
+        self.told.append(meta)
+
+
+def test_a_front_end_refuses_a_header_not_decided_in_time_and_says_so() -> None:
+    link = _AskingLink()
+    check = LinkHeaderCheck(link, max_body_bytes=1 << 20, allowed=None,  # type: ignore[arg-type]
+                            decide_s=0.02)
+    answers: dict[int, Any] = {}
+
+    def scope(n: int) -> dict[str, Any]:
+        return {RECEIVED_AT: time.monotonic(),
+                ANSWER_LATER: lambda answer: answers.setdefault(n, answer) is answer}
+
+    async def go() -> None:
+        assert check("/v2/models/m/infer", [], 100, scope(1)) is LATER
+        assert check("/v2/models/m/infer", [], 100, scope(2)) is LATER
+        link.waiting.pop(2)({"k": "go", "i": 2}, b"")  # decided in time: let through
+        await asyncio.sleep(0.06)
+        status, _, body = answers[1]
+        assert status == 429 and json.loads(body)["reason"] == "work_ahead"
+        assert "did not decide on this request within 20 ms" in json.loads(body)["error"]
+        assert answers[2] is None  # went on to its body
+        assert link.told == [{"k": "u", "i": 1, "m": "m", "t": link.told[0]["t"]}]
+        assert link.waiting == {}  # the dispatch process's late answer finds no one
+
+    asyncio.run(go())
