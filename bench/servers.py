@@ -177,7 +177,8 @@ def frontend_refusals(host: str) -> dict[str, int]:
 def refusal_times(host: str) -> dict[str, Lateness]:
     """The server's `dstack_refusal_seconds` (/metrics), every model's together, by stage:
     how long each refusal took from the request's first byte, decided from its header
-    ("header") or once its body had been read ("body")."""
+    ("header"), once its body had been read ("body"), or after it waited queued ("queue":
+    `expired`)."""
     text = _metrics(host)
     return {stage: histogram_counts(text, "dstack_refusal_seconds", stage=stage)
             for stage in REFUSAL_STAGES}
@@ -189,14 +190,18 @@ def refusals_since(after: dict[str, Lateness], before: dict[str, Lateness]
     return {stage: after[stage].since(before[stage]) for stage in after}
 
 
+_STAGE_WORDS = {"header": "at the header", "body": "after the body",
+                "queue": "after waiting queued"}
+
+
 def refusal_summary(times: dict[str, Lateness]) -> str:
-    """'at the header N (J%, p99 <= X ms, A over 5 ms), after the body M (K%, p99 <= Y ms,
-    B over 5 ms)': each stage's refusals, their share, and how many took more than 5 ms
-    (the overload target's p99), as the server timed them from the first byte."""
+    """'at the header N (J%, p99 <= X ms, A over 5 ms), after the body M (...), after
+    waiting queued L (...)': each stage's refusals, their share, and how many took more
+    than 5 ms (the overload target's p99), as the server timed them from the first byte."""
     total = sum(t.count for t in times.values())
     if not total:
         return "no refusals"
-    return ", ".join(f"{'at the header' if stage == 'header' else 'after the body'} "
+    return ", ".join(f"{_STAGE_WORDS[stage]} "
                      f"{t.count} ({100 * t.count / total:.1f}%, p99 <= "
                      f"{1000 * t.quantile_s(0.99):g} ms, {t.over(0.005)} over 5 ms)"
                      for stage, t in times.items())

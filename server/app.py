@@ -32,6 +32,7 @@ from dstack.common.errors import (
     Unavailable,
 )
 from dstack.common.types import ModelSpec, TensorSpec
+from dstack.runtime.dispatch import RefusalReason
 from server import codec
 from server.connection import RECEIVED_AT
 from server.dashboard import install_dashboard
@@ -129,8 +130,16 @@ async def read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> byte
 
 
 #: The scope key `infer` sets once a request's body has been read: a refusal after that is
-#: timed under the stage "body" (`server.metrics.Metrics.failed`).
+#: timed under the stage "body" (`server.metrics.Metrics.failed`), or "queue" (`refusal_stage`).
 BODY_READ = "dstack.body_read"
+
+
+def refusal_stage(e: DStackError, scope: Scope) -> str:
+    """Where an infer request's refusal `e` was decided (`server.metrics.REFUSAL_STAGES`):
+    at its header, once its body was read, or after it waited queued (`expired`)."""
+    if not scope.get(BODY_READ):
+        return "header"
+    return "queue" if e.rule == RefusalReason.EXPIRED.value else "body"
 
 #: The binary extension's header, as ASGI has it.
 HEADER_LENGTH = codec.HEADER_LENGTH.lower().encode()
@@ -374,8 +383,7 @@ def create_app(
             try:
                 payload, hlen = await _infer(scope, receive, model, spec)
             except DStackError as e:
-                metrics.failed(model, e, "body" if scope.get(BODY_READ) else "header",
-                               scope.get(RECEIVED_AT))
+                metrics.failed(model, e, refusal_stage(e, scope), scope.get(RECEIVED_AT))
                 raise
             except Exception:
                 metrics.failures.add(model, "backend")

@@ -38,9 +38,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FAILURE_REASONS = ("rejected", "slo_refused", "backend", "unavailable")
 
 #: Where a refusal was decided (`dstack_refusal_seconds`'s `stage`): from the request's
-#: header, its body left unread, or once some or all of its body had been read (queued
-#: and then refused included).
-REFUSAL_STAGES = ("header", "body")
+#: header, its body left unread; once some or all of its body had been read; or once it
+#: had waited in its model's queue (refused `expired` at launch).
+REFUSAL_STAGES = ("header", "body", "queue")
 
 
 def histogram_counts(text: str, name: str, **labels: str) -> Lateness:
@@ -335,8 +335,8 @@ class Metrics:
         self.refusal_seconds = Histogram(
             "dstack_refusal_seconds",
             "Time from a refused infer request's first byte to its refusal, by where it was "
-            "decided: from its header (stage=header: its body never read) or once its body "
-            "had been read (stage=body)",
+            "decided: from its header (stage=header: its body never read), once its body "
+            "had been read (stage=body), or after it waited queued (stage=queue: expired)",
             ["model", "stage"], buckets=LATE_BOUNDS_S, registry=self.registry)
         self._refusals_timed: dict[tuple[str, str], Any] = {}
         #: With front ends (`server.link`): their loop lateness, added up as they report

@@ -352,7 +352,10 @@ def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_pro
         header = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",
                                   stage="header")
         body = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn", stage="body")
-        assert sum(header.counts) + sum(body.counts) == len(refusals) + warm_refused
+        queue = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",
+                                 stage="queue")
+        assert (sum(header.counts) + sum(body.counts) + sum(queue.counts)
+                == len(refusals) + warm_refused)
         stats = json.loads(_get_text(s, "/v2/models/tiny_cnn/stats"))
         assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == (
             len(refusals) + warm_refused)

@@ -306,15 +306,15 @@ def _refusal_times(addr: tuple[str, int]) -> dict[str, Lateness]:
     with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/metrics", timeout=5) as r:
         text = r.read().decode()
     return {stage: histogram_counts(text, "dstack_refusal_seconds", model="double",
-                                    stage=stage) for stage in ("header", "body")}
+                                    stage=stage) for stage in ("header", "body", "queue")}
 
 
 def test_metrics_time_each_refusal_from_its_first_byte_by_where_it_was_decided(
         served: tuple[tuple[str, int], RefusingBackend]) -> None:
     """`dstack_refusal_seconds`: a refusal from a header that took 300 ms to arrive is
     timed from its first byte, under stage=header; one decided once its body had been read
-    (here by the backend, as a request that expired queued) under stage=body; a 200 and a
-    400 are not timed."""
+    (here by the backend's admission) under stage=body; one that expired queued under
+    stage=queue; a 200 and a 400 are not timed."""
     addr, backend = served
     before = _refusal_times(addr)
     backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: too late")
@@ -327,23 +327,25 @@ def test_metrics_time_each_refusal_from_its_first_byte_by_where_it_was_decided(
             assert _response(s)[0] == 429
     finally:
         backend.refusal = None
-    backend.queued_refusal = refusal_error(RefusalReason.EXPIRED, "model double: expired")
-    try:
-        with socket.create_connection(addr, timeout=5) as s:
-            s.sendall(_head(len(VALID)) + VALID)
-            assert _response(s)[0] == 429
-    finally:
-        backend.queued_refusal = None
+    for rule in (RefusalReason.WORK_AHEAD, RefusalReason.EXPIRED):
+        backend.queued_refusal = refusal_error(rule, f"model double: {rule.value}")
+        try:
+            with socket.create_connection(addr, timeout=5) as s:
+                s.sendall(_head(len(VALID)) + VALID)
+                assert _response(s)[0] == 429
+        finally:
+            backend.queued_refusal = None
     with socket.create_connection(addr, timeout=5) as s:
         s.sendall(_head(len(VALID)) + VALID + _head(2) + b"{}")
         assert [r[0] for r in _responses(s, 2)] == [200, 400]
     after = _refusal_times(addr)
-    header, body = (after[k].since(before[k]) for k in ("header", "body"))
+    header, body, queue = (after[k].since(before[k]) for k in ("header", "body", "queue"))
     assert header.count == 1 and header.quantile_s(1.0) == 1.0  # 0.25 s < t <= 1 s
     # timed from the first byte: the 0.3 s pause counts, less however late the server read
     # those first bytes (0.2998 s was seen: a bound of 0.3 failed now and then)
     assert header.sum_s >= 0.25
     assert body.count == 1 and body.sum_s < 0.3
+    assert queue.count == 1 and queue.sum_s < 0.3
 
 
 def test_a_body_refused_from_its_header_may_come_in_pieces_and_the_next_request_follows_it(
