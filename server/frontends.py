@@ -185,12 +185,15 @@ class FrontEndRefusal:
     """`server.early.EarlyRefusal` across the link: the header of `POST .../infer` asked
     about (`h`) before its body is read, and again (`c`) each CHECK_EVERY_BYTES while it
     arrives; a refusal answered with the same status, body and `Retry-After`, and the rest
-    of its body dropped by the connection."""
+    of its body dropped by the connection. A header not decided on within `decide_s` of
+    its first byte is refused here, as `LinkHeaderCheck` refuses one."""
 
-    def __init__(self, app: ASGIApp, link: Link, *, drain_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, link: Link, *, drain_bytes: int,
+                 decide_s: float = 0.0) -> None:
         self.app = app
         self.link = link
         self.drain_bytes = drain_bytes
+        self.decide_s = decide_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         m = None
@@ -205,10 +208,17 @@ class FrontEndRefusal:
         if i is None:  # not asked by the connection (LinkHeaderCheck): asked here
             i = next(self.link.ids)
             try:
-                reply, _ = await self.link.call({"k": "h", "i": i, "m": model,
-                                                 "v": m.group(2), "t": received})
+                async with asyncio.timeout(max(0.0, received + self.decide_s - time.monotonic())
+                                           if self.decide_s else None):
+                    reply, _ = await self.link.call({"k": "h", "i": i, "m": model,
+                                                     "v": m.group(2), "t": received})
             except DStackError as e:
                 await refuse(scope, receive, send, e.status_code, e.message)
+                return
+            except TimeoutError:
+                self.link.waiting.pop(i, None)  # (its late answer, if any, finds no one)
+                self.link.tell({"k": "u", "i": i, "m": model, "t": received})
+                await self._refuse(scope, receive, send, undecided_error(model, self.decide_s))
                 return
             if reply["k"] == "no":
                 await self._refuse(scope, receive, send, error_of(reply))
@@ -398,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     app: ASGIApp = FrontEnd(link, s.max_body_bytes)
     app = BodyLimits(app, max_body_bytes=s.max_body_bytes, budget=SharedBodyBudget(
         s.body_budget_bytes, Path(args.budget), args.slot))
-    app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes)
+    app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes,
+                          decide_s=s.decision_timeout_ms / 1000)
     token = load_token(s)
     if token is not None:
         app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,

@@ -6,6 +6,7 @@ them: tests/e2e/test_server_lifecycle.py; the limits: tests/e2e/test_server_limi
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -67,6 +68,17 @@ def _post(srv: ServerProcess, body: bytes, headers: dict[str, str] | None = None
     except urllib.error.HTTPError as e:
         status, payload, headers = e.code, json.loads(e.read()), e.headers
     return status, payload, {k.lower(): v for k, v in headers.items()}
+
+
+def _post_chunked(srv: ServerProcess, body: bytes) -> tuple[int, dict, dict[str, str]]:
+    """`_post` with the body sent chunked (no Content-Length)."""
+    c = http.client.HTTPConnection(srv.url.split(":")[0], srv.port, timeout=30)
+    try:
+        c.request("POST", INFER, body=iter([body[:1000], body[1000:]]), encode_chunked=True)
+        r = c.getresponse()
+        return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        c.close()
 
 
 def _get_text(srv: ServerProcess, path: str) -> str:
@@ -378,18 +390,21 @@ def test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided(
         tmp_path: Path) -> None:
     """`server.decision_timeout_ms`: while the dispatch process is stopped (SIGSTOP: a
     loop that falls behind, at its worst), the front ends answer infer requests
-    themselves once the time is up, 429 `work_ahead`; once it runs again it counts each
-    of them once, and serves as before."""
+    themselves once the time is up, 429 `work_ahead` (a chunked one too, which the front
+    end asks about from its app rather than its connection); once it runs again it counts
+    each of them once, and serves as before."""
     s = launch({"policy": "shared", "models": [TINY],
                 "server": {"frontends": 2, "decision_timeout_ms": 200}}, tmp_path)
     try:
         wait_ready(s)
         assert _post(s, _infer_json())[0] == 200  # decided in time: served
-        sent = 6
+        sent = 7
         os.kill(s.pid, signal.SIGSTOP)
         try:
             with ThreadPoolExecutor(sent) as pool:
-                answers = list(pool.map(lambda _: _post(s, _infer_json()), range(sent)))
+                answers = list(pool.map(
+                    lambda k: _post(s, _infer_json()) if k else _post_chunked(s, _infer_json()),
+                    range(sent)))
             # (all answered while it is stopped: by the front ends)
         finally:
             os.kill(s.pid, signal.SIGCONT)
