@@ -105,8 +105,10 @@ class LinkHeaderCheck:
                 self.standing.stand(key, reply, answer)
             resume(answer)
 
-        if not self.link.ask({"k": "h", "i": i, "m": key[0], "v": key[1], "t": received},
-                             answered):
+        ask = {"k": "h", "i": i, "m": key[0], "v": key[1], "t": received}
+        if self.decide_s > 0:
+            ask["d"] = self.decide_s  # (the dispatch process reading it later does not decide)
+        if not self.link.ask(ask, answered):
             return None
         if self.decide_s > 0:
             timer = asyncio.get_running_loop().call_later(
@@ -118,7 +120,7 @@ class LinkHeaderCheck:
                    resume: Callable[[Any], bool]) -> None:
         if self.link.waiting.pop(i, None) is None:  # answered meanwhile
             return
-        self.link.tell({"k": "u", "i": i, "m": model, "t": received})
+        self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": self.decide_s})
         e = undecided_error(model, self.decide_s)
         resume((e.status_code, [(b"content-type", b"application/json")],
                 error_json(e.message, e.rule)))
@@ -211,13 +213,16 @@ class FrontEndRefusal:
                 async with asyncio.timeout(max(0.0, received + self.decide_s - time.monotonic())
                                            if self.decide_s else None):
                     reply, _ = await self.link.call({"k": "h", "i": i, "m": model,
-                                                     "v": m.group(2), "t": received})
+                                                     "v": m.group(2), "t": received,
+                                                     **({"d": self.decide_s}
+                                                        if self.decide_s else {})})
             except DStackError as e:
                 await refuse(scope, receive, send, e.status_code, e.message)
                 return
             except TimeoutError:
                 self.link.waiting.pop(i, None)  # (its late answer, if any, finds no one)
-                self.link.tell({"k": "u", "i": i, "m": model, "t": received})
+                self.link.tell({"k": "u", "i": i, "m": model, "t": received,
+                                "d": self.decide_s})
                 await self._refuse(scope, receive, send, undecided_error(model, self.decide_s))
                 return
             if reply["k"] == "no":

@@ -209,9 +209,8 @@ class Dispatch:
     by `server.main.build_app` without auth: the front ends check it) answers every
     request; its runtime's `refuse_early` and `release` decide and hold at the header."""
 
-    def __init__(self, app: Any, runtime: Any, version: str, decide_s: float = 0.0) -> None:
+    def __init__(self, app: Any, runtime: Any, version: str) -> None:
         self.app = app
-        self.decide_s = decide_s  # the front ends' `server.decision_timeout_ms`
         self.infer = app.state.infer_endpoint
         self.failed = app.state.metrics.failed
         self.metrics = app.state.metrics
@@ -286,7 +285,8 @@ class _DispatchLink(FrameReader):
 
     def _header(self, meta: dict[str, Any]) -> None:
         i, model = meta["i"], meta["m"]
-        if self.d.decide_s and time.monotonic() - meta["t"] >= self.d.decide_s:
+        decide_s = meta.get("d")  # the front end's bound on this decision, if it has one
+        if decide_s is not None and time.monotonic() - meta["t"] >= decide_s:
             # too late to decide: the front end refuses it (`u` follows), counted here
             self._count_undecided(meta)
             return
@@ -320,7 +320,7 @@ class _DispatchLink(FrameReader):
 
     def _count_undecided(self, meta: dict[str, Any]) -> None:
         """A request for `m` refused by its front end (`undecided_error`), the decision
-        on its header not come within `decide_s` of its first byte `t`: counted as the
+        on its header not come within `d` s of its first byte `t`: counted as the
         dispatch core's refusals at the header are (a model it does not serve is not:
         the route would have answered 404)."""
         model = meta["m"]
@@ -330,9 +330,9 @@ class _DispatchLink(FrameReader):
             self.d.count_refused(model, RefusalReason.WORK_AHEAD.value, 1)
         except KeyError:
             return
-        # timed as the front end answered it: `decide_s` after its first byte
-        self.d.failed(model, undecided_error(model, self.d.decide_s), "header",
-                      time.monotonic() - self.d.decide_s)
+        # timed as the front end answered it: `d` after its first byte
+        self.d.failed(model, undecided_error(model, meta["d"]), "header",
+                      time.monotonic() - meta["d"])
 
     def _check(self, meta: dict[str, Any]) -> None:
         i, model = meta["i"], meta["m"]

@@ -187,10 +187,9 @@ class _Dispatching:
         await self.runtime.start()
         folder = Path(tempfile.mkdtemp(prefix="dstack-link-"))
         try:
-            s = self.cfg.server
-            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION,
-                                s.decision_timeout_ms / 1000)
+            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION)
             listening = await dispatch.listen(folder / "link")
+            s = self.cfg.server
             fronts = FrontEnds(s.frontends, self.config_path, sock.fileno(), folder,
                                self.frontend_cores)
             try:

@@ -207,9 +207,9 @@ def test_refusals_told_by_a_front_end_are_counted_as_the_dispatch_process_counts
     assert metrics.frontends_standing_refusals == 2
 
 
-def _dispatch_end(decide_s: float, admit: bool = True) -> tuple[_DispatchLink, _Record]:
-    """A dispatch process's end of a link with `decide_s` (`server.decision_timeout_ms`),
-    whose runtime lets every header through (`admit`) or refuses it for work ahead."""
+def _dispatch_end(admit: bool = True) -> tuple[_DispatchLink, _Record]:
+    """A dispatch process's end of a link whose runtime lets every header through
+    (`admit`) or refuses it for work ahead."""
     rec = _Record()
 
     def refuse_early(model: str, hold: bool = False) -> int | None:
@@ -226,7 +226,7 @@ def _dispatch_end(decide_s: float, admit: bool = True) -> tuple[_DispatchLink, _
         rec.counted.append((model, rule, n))
 
     d = SimpleNamespace(
-        decide_s=decide_s, version="1", refuse_early=refuse_early, count_refused=count_refused,
+        version="1", refuse_early=refuse_early, count_refused=count_refused,
         release=lambda m, token: rec.released.append((m, token)),
         failed=lambda m, e, stage, at: rec.failed.append(
             (m, e.status_code, e.rule, stage, time.monotonic() - at)),
@@ -245,40 +245,40 @@ class _Record:
 
 
 def test_a_header_the_front_end_refused_undecided_is_given_back_and_counted_once() -> None:
-    end, rec = _dispatch_end(0.05)
+    end, rec = _dispatch_end()
     now = time.monotonic()
     # decided in time and let through; the answer came too late: the front end refused it
-    end.on_frame({"k": "h", "i": 1, "m": "m", "t": now}, b"")
+    end.on_frame({"k": "h", "i": 1, "m": "m", "t": now, "d": 0.05}, b"")
     assert [m["k"] for m in rec.sent] == ["go"] and rec.released == []
-    end.on_frame({"k": "u", "i": 1, "m": "m", "t": now}, b"")
+    end.on_frame({"k": "u", "i": 1, "m": "m", "t": now, "d": 0.05}, b"")
     assert rec.released == [("m", 41)]  # its place is free again
     assert rec.counted == [("m", "work_ahead", 1)]
     [(model, status, rule, stage, took)] = rec.failed
     assert (model, status, rule, stage) == ("m", 429, "work_ahead", "header")
     assert 0.05 <= took < 0.5  # timed as the front end answered it
     # read after its time was up: not decided (no answer, nothing held), counted once
-    end.on_frame({"k": "h", "i": 2, "m": "m", "t": now - 0.06}, b"")
-    end.on_frame({"k": "u", "i": 2, "m": "m", "t": now - 0.06}, b"")
+    end.on_frame({"k": "h", "i": 2, "m": "m", "t": now - 0.06, "d": 0.05}, b"")
+    end.on_frame({"k": "u", "i": 2, "m": "m", "t": now - 0.06, "d": 0.05}, b"")
     assert [m["k"] for m in rec.sent] == ["go"] and rec.released == [("m", 41)]
     assert rec.counted == [("m", "work_ahead", 1)] * 2 and len(rec.failed) == 2
     # a model the server does not serve: not counted (no series for clients' made-up names)
-    end.on_frame({"k": "h", "i": 3, "m": "nope", "t": now - 0.06}, b"")
-    end.on_frame({"k": "u", "i": 3, "m": "nope", "t": now - 0.06}, b"")
+    end.on_frame({"k": "h", "i": 3, "m": "nope", "t": now - 0.06, "d": 0.05}, b"")
+    end.on_frame({"k": "u", "i": 3, "m": "nope", "t": now - 0.06, "d": 0.05}, b"")
     assert len(rec.counted) == 2 and len(rec.failed) == 2
     assert end.d.metrics.frontends_undecided == 3
 
 
 def test_a_header_refused_in_time_and_answered_late_is_counted_once() -> None:
-    end, rec = _dispatch_end(0.05, admit=False)
+    end, rec = _dispatch_end(admit=False)
     now = time.monotonic()
-    end.on_frame({"k": "h", "i": 1, "m": "m", "t": now}, b"")
-    end.on_frame({"k": "u", "i": 1, "m": "m", "t": now}, b"")
+    end.on_frame({"k": "h", "i": 1, "m": "m", "t": now, "d": 0.05}, b"")
+    end.on_frame({"k": "u", "i": 1, "m": "m", "t": now, "d": 0.05}, b"")
     assert [m["k"] for m in rec.sent] == ["no"]
     assert rec.counted == [("m", "work_ahead", 1)] and rec.released == []
 
 
-def test_without_a_decision_timeout_every_header_is_decided() -> None:
-    end, rec = _dispatch_end(0.0)
+def test_a_header_without_a_bound_is_decided_however_late() -> None:
+    end, rec = _dispatch_end()  # (asked by a front end without decision_timeout_ms)
     end.on_frame({"k": "h", "i": 1, "m": "m", "t": time.monotonic() - 10}, b"")
     assert [m["k"] for m in rec.sent] == ["go"]
 
@@ -318,7 +318,7 @@ def test_a_front_end_refuses_a_header_not_decided_in_time_and_says_so() -> None:
         assert status == 429 and json.loads(body)["reason"] == "work_ahead"
         assert "did not decide on this request within 20 ms" in json.loads(body)["error"]
         assert answers[2] is None  # went on to its body
-        assert link.told == [{"k": "u", "i": 1, "m": "m", "t": link.told[0]["t"]}]
+        assert link.told == [{"k": "u", "i": 1, "m": "m", "t": link.told[0]["t"], "d": 0.02}]
         assert link.waiting == {}  # the dispatch process's late answer finds no one
 
     asyncio.run(go())
