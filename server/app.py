@@ -32,7 +32,6 @@ from dstack.common.errors import (
     Unavailable,
 )
 from dstack.common.types import ModelSpec, TensorSpec
-from dstack.runtime.dispatch import RefusalReason
 from server import codec
 from server.connection import RECEIVED_AT
 from server.dashboard import install_dashboard
@@ -139,7 +138,7 @@ def refusal_stage(e: DStackError, scope: Scope) -> str:
     at its header, once its body was read, or after it waited queued (`expired`)."""
     if not scope.get(BODY_READ):
         return "header"
-    return "queue" if e.rule == RefusalReason.EXPIRED.value else "body"
+    return "queue" if e.queued else "body"
 
 #: The binary extension's header, as ASGI has it.
 HEADER_LENGTH = codec.HEADER_LENGTH.lower().encode()

@@ -724,8 +724,10 @@ class Runtime:
         return b
 
     def _apply(self, s: Step) -> None:
-        for r in s.refusals:
-            _resolve_error(r.ticket, refusal_error(r.reason, r.message))
+        for r in s.refusals:  # of queued requests (expired)
+            e = refusal_error(r.reason, r.message)
+            e.queued = True
+            _resolve_error(r.ticket, e)
         for f in s.failures:
             log.error("%s", f.message, exc_info=f.error)
             self._fail(f.tickets, BackendError(f.message))

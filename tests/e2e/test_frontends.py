@@ -368,6 +368,7 @@ def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_pro
                                  stage="queue")
         assert (sum(header.counts) + sum(body.counts) + sum(queue.counts)
                 == len(refusals) + warm_refused)
+        assert sum(queue.counts) == reasons.get("expired", 0)  # dropped at launch, timed so
         stats = json.loads(_get_text(s, "/v2/models/tiny_cnn/stats"))
         assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == (
             len(refusals) + warm_refused)

@@ -329,6 +329,7 @@ def test_metrics_time_each_refusal_from_its_first_byte_by_where_it_was_decided(
         backend.refusal = None
     for rule in (RefusalReason.WORK_AHEAD, RefusalReason.EXPIRED):
         backend.queued_refusal = refusal_error(rule, f"model double: {rule.value}")
+        backend.queued_refusal.queued = rule is RefusalReason.EXPIRED  # as the runtime's are
         try:
             with socket.create_connection(addr, timeout=5) as s:
                 s.sendall(_head(len(VALID)) + VALID)
