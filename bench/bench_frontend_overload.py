@@ -26,6 +26,7 @@ import yaml
 from bench import chaos_load as cl
 from bench.servers import (
     ROOT,
+    frontend_refusals,
     loop_late,
     refusal_summary,
     refusal_times,
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 for x in args.levels:
                     cpu0, t0 = cl.cpu_s(srv.pid), time.monotonic()
                     late0, refused0 = loop_late(srv.host), refusal_times(srv.host)
+                    fe0 = frontend_refusals(srv.host)
                     load = cl.open_loop_sharded(
                         srv.host, {m: args.rate * x * f for m, f in share.items()}, slos,
                         args.seconds, seed=100 * rep + int(x), procs=args.load_procs)
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     used[x] += (cl.cpu_s(srv.pid) - cpu0) / (time.monotonic() - t0) / args.reps
                     server_late = loop_late(srv.host).since(late0)
                     refused = refusals_since(refusal_times(srv.host), refused0)
+                    fe = {k: v - fe0[k] for k, v in frontend_refusals(srv.host).items()}
                     for m, tm in res.items():
                         per_model[x][m] += tm.ok / args.seconds / args.reps
                     t = cl.total(res)
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"compute (ms): {cl.format_terms(terms)}; server's loop "
                           f"{server_late.summary()}; load generator's "
                           f"{client_late.summary()}; server's refusals "
-                          f"{refusal_summary(refused)}", flush=True)
+                          f"{refusal_summary(refused)}; answered by a front end without a "
+                          f"decision: {fe['standing']} standing, {fe['undecided']} undecided",
+                          flush=True)
     finally:
         pin_threads(cores)
     one = good[args.levels[0]]
