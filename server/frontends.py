@@ -99,8 +99,7 @@ class LinkHeaderCheck:
                 return
             else:
                 e = error_of(reply)
-            answer = (e.status_code, [(b"content-type", b"application/json"), *retry_after(e)],
-                      error_json(e.message, e.rule))
+            answer = _refusal_answer(e)
             if reply is not None:
                 self.standing.stand(key, reply, answer)
             resume(answer)
@@ -121,9 +120,13 @@ class LinkHeaderCheck:
         if self.link.waiting.pop(i, None) is None:  # answered meanwhile
             return
         self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": self.decide_s})
-        e = undecided_error(model, self.decide_s)
-        resume((e.status_code, [(b"content-type", b"application/json")],
-                error_json(e.message, e.rule)))
+        resume(_refusal_answer(undecided_error(model, self.decide_s)))
+
+
+def _refusal_answer(e: DStackError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """What the connection writes for a refusal at the header (as `server.early` does)."""
+    return (e.status_code, [(b"content-type", b"application/json"), *retry_after(e)],
+            error_json(e.message, e.rule))
 
 
 #: A front end's shared memory for binary infer bodies (`server.link.SharedBodies`), at
