@@ -140,6 +140,7 @@ def refusal_stage(e: DStackError, scope: Scope) -> str:
         return "header"
     return "queue" if e.queued else "body"
 
+
 #: The binary extension's header, as ASGI has it.
 HEADER_LENGTH = codec.HEADER_LENGTH.lower().encode()
 

@@ -104,10 +104,7 @@ class LinkHeaderCheck:
                 self.standing.stand(key, reply, answer)
             resume(answer)
 
-        ask = {"k": "h", "i": i, "m": key[0], "v": key[1], "t": received}
-        if self.decide_s > 0:
-            ask["d"] = self.decide_s  # (the dispatch process reading it later does not decide)
-        if not self.link.ask(ask, answered):
+        if not self.link.ask(_header_meta(i, *key, received, self.decide_s), answered):
             return None
         if self.decide_s > 0:
             timer = asyncio.get_running_loop().call_later(
@@ -121,6 +118,16 @@ class LinkHeaderCheck:
             return
         self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": self.decide_s})
         resume(_refusal_answer(undecided_error(model, self.decide_s)))
+
+
+def _header_meta(i: int, model: str, version: str | None, received: float,
+                decide_s: float) -> dict[str, Any]:
+    """The `h` asking about request `i`'s header; with the front end's bound on the
+    decision, if it has one (`d`: the dispatch process reading it later does not decide)."""
+    meta = {"k": "h", "i": i, "m": model, "v": version, "t": received}
+    if decide_s > 0:
+        meta["d"] = decide_s
+    return meta
 
 
 def _refusal_answer(e: DStackError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -215,10 +222,8 @@ class FrontEndRefusal:
             try:
                 async with asyncio.timeout(max(0.0, received + self.decide_s - time.monotonic())
                                            if self.decide_s else None):
-                    reply, _ = await self.link.call({"k": "h", "i": i, "m": model,
-                                                     "v": m.group(2), "t": received,
-                                                     **({"d": self.decide_s}
-                                                        if self.decide_s else {})})
+                    reply, _ = await self.link.call(
+                        _header_meta(i, model, m.group(2), received, self.decide_s))
             except DStackError as e:
                 await refuse(scope, receive, send, e.status_code, e.message)
                 return

@@ -323,12 +323,12 @@ class _DispatchLink(FrameReader):
         on its header not come within `d` s of its first byte `t`: counted as the
         dispatch core's refusals at the header are (a model it does not serve is not:
         the route would have answered 404)."""
-        model = meta["m"]
+        model, count = meta["m"], self.d.count_refused
+        if count is None:
+            return
         try:
-            if self.d.count_refused is None:
-                return
-            self.d.count_refused(model, RefusalReason.WORK_AHEAD.value, 1)
-        except KeyError:
+            count(model, RefusalReason.WORK_AHEAD.value, 1)
+        except KeyError:  # not a model it serves
             return
         # timed as the front end answered it: `d` after its first byte
         self.d.failed(model, undecided_error(model, meta["d"]), "header",
