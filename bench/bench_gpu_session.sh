@@ -116,7 +116,11 @@ if step overload; then
   for f in out/chaos/overload-*.log; do  # (no "+" in a name that comes back)
     b=$(basename "$f" .log); tail -c 20000 "$f" > "$OUT/logs/server-${b//+/-}.txt"
   done
-  grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"; pack
+  grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"
+  if [ -s "$OUT/logs/profile.raw" ]; then  # where the profiled process's time went
+    python3 -m bench.profile_summary "$OUT/logs/profile.raw" --top 15 >> "$OUT/summary.txt"
+  fi
+  pack
 fi
 pack
 for f in "$P"/*.json; do python3 -m knee_profiler.cli show "$f" 2>&1 | awk '{print $1, $(NF-3)}' | tr '\n' ' '; echo; done >> "$OUT/summary.txt"
