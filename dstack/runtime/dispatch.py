@@ -90,11 +90,13 @@ server received it (`admit`'s `since_s`), not from when its body had been read.
 (the server asks it before reading a request's body, with n = 1: a refusal then costs no
 body; again with the batch size once the header is parsed; and once more after the first
 piece of a big JSON body). `ready_s` is how long from now the request cannot be queued:
-the request joins its batch no earlier than then. The server passes the time a big JSON
-body's parse will take yet, or a few times its event loop's lag, whichever is longer
-(`dstack.runtime.serving.LAG_TURNS`). With `hold=True` (the server's check of a header)
-a request it lets through counts as queued, one item, until `release(model)` (when it
-comes back with its body read) or until its SLO has gone by: without that, requests
+the request joins its batch no earlier than then, and where work is ahead of it, a batch
+that starts before then goes without it (the requests queued past the full batches, at
+the likeliest length of their batch), so it joins a later one. The server passes the time
+a big JSON body's parse will take yet, or a few times its event loop's lag, whichever is
+longer (`dstack.runtime.serving.LAG_TURNS`). With `hold=True` (the server's check of a
+header) a request it lets through counts as queued, one item, until `release(model)`
+(when it comes back with its body read) or until its SLO has gone by: without that, requests
 whose headers passed while others' bodies were still being read were refused only once
 their own bodies had been read too (120 a second at 4x load on one core, against 2 with
 holds; measured in docs/reliability.md).
@@ -749,6 +751,15 @@ class _Core:
                 if mates_s == _INF:  # its lane mates' load (no probe: see below)
                     return self._lane_refusal(st, t, model, mates_s, _INF)
                 launch += mates_s
+            if ready > launch and slow_end:
+                # Its body is still to come when the work ahead ends: the batch that starts
+                # then goes without it (the requests queued, bodies in, past the full
+                # batches), and it can ride the one after.
+                left: cython.longlong = st.items - full_batches * cap
+                if left > cap:
+                    left = cap
+                if left > 0:
+                    launch += est.estimate_s(left) + st.overhead_s
             if ready > launch:  # its body is still being parsed when its batch could go
                 launch = ready
             if own < cap and launch > now:

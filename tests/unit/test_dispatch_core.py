@@ -401,6 +401,31 @@ def test_refuse_early_counts_the_time_before_and_after_the_header() -> None:
     assert core.counters(A).refused["work_ahead"] == 2
 
 
+def test_a_body_still_coming_when_the_work_ahead_ends_misses_the_batch_that_starts_then() -> (
+        None):
+    """Batches take 20 ms + 10 ms per item; SLO 90 ms. A batch of one runs until 30 ms and
+    one request waits, its body in. When the running batch ends, the waiting request's
+    batch starts at once: a request whose header comes now and whose body takes 35 ms more
+    is not in it, and rides the batch after (60 to 100 ms): refused at its header, rather
+    than let through to be refused after its body or answered late. Its body in by 20 ms,
+    it joins the batch at 30 ms (ends at 70 ms); with nobody waiting, no batch leaves
+    without it and its own starts when its body is in (ends at 65 ms)."""
+    def busy(waiting: int) -> DispatchCore:
+        core = core_for(slo_s=0.09, estimates={A: trusted(0.02, 0.01)})
+        assert isinstance(core.admit(A, 1, 0.0), Ticket)
+        assert core.step(0.0).launches[0].n == 1  # runs until 30 ms
+        for _ in range(waiting):
+            assert isinstance(core.admit(A, 1, 0.0), Ticket)
+        return core
+
+    r = busy(1).refuse_early(A, 1, 0.0, ready_s=0.035)
+    assert isinstance(r, Refusal) and r.reason is RefusalReason.WORK_AHEAD
+    assert "finish 100.0 ms after arrival" in r.message
+    assert "its body takes about 35 ms more to arrive" in r.message
+    assert busy(1).refuse_early(A, 1, 0.0, ready_s=0.02) is None
+    assert busy(0).refuse_early(A, 1, 0.0, ready_s=0.035) is None
+
+
 def test_with_no_estimate_to_go_by_a_request_that_cannot_queue_in_time_is_refused() -> None:
     """Untrusted estimate (nothing refuses by it), SLO 100 ms: a request that cannot be
     queued for 120 ms (a server loop that far behind) is refused before its body is read;
