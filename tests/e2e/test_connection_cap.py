@@ -9,11 +9,11 @@ import http.client
 import json
 import socket
 import time
-from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.server_process import TINY, ServerProcess, launch, wait_ready
+from tests.e2e.server_process import TINY, ServerProcess
 
 CAP = 20
 HEADER_TIMEOUT_S = 30  # long: what closes a socket here is the cap, never the timer
@@ -23,15 +23,16 @@ BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "dataty
                                "data": [0.5] * 3072}]}).encode()
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = launch({"policy": "shared", "models": [TINY], "server": {
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
+    return {"policy": "shared", "models": [TINY], "server": {
         "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S,
-        "max_connections": CAP}}, tmp_path_factory.mktemp("cap"))
-    try:
-        yield wait_ready(s)
-    finally:
-        s.stop()  # gracefully: a kill would leave its workers' shared memory behind
+        "max_connections": CAP}}
+
+
+@pytest.fixture(scope="module")
+def srv(module_server: ServerProcess) -> ServerProcess:
+    return module_server
 
 
 def _settle(srv: ServerProcess) -> None:

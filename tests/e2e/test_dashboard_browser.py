@@ -19,6 +19,7 @@ import pytest
 
 from server import codec
 from tests.e2e.conftest import ROOT
+from tests.e2e.server_process import ServerProcess
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 CHROMIUM = shutil.which("chromium")
@@ -69,14 +70,19 @@ def wait_for(cond, timeout_s: float = 30) -> None:  # noqa: ANN001
         time.sleep(0.25)
 
 
-def test_dashboard_in_a_browser(serve, tmp_path: Path) -> None:  # noqa: ANN001
-    srv = serve({
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
+    return {
         "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
         "adapt": {"enabled": False},
         "models": [{"name": "tiny_cnn", "slo_ms": 2000, "max_batch_size": 4, "rate_rps": 5},
                    {"name": "mobilenet_v3_small", "slo_ms": 2000, "max_batch_size": 4,
                     "rate_rps": 5}],
-    })
+    }
+
+
+def test_dashboard_in_a_browser(module_server: ServerProcess, tmp_path: Path) -> None:
+    srv = module_server
     stop = threading.Event()
     load = threading.Thread(target=send_load, args=(srv.url, stop), daemon=True)
     load.start()

@@ -31,15 +31,53 @@ INFER = "/v2/models/tiny_cnn/infer"
 RESTARTED = re.compile(r"front end \d+ \(pid (\d+)\) exited with (-?\d+); starting another")
 
 
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
+    return {"policy": "shared", "models": [TINY], "server": {"frontends": 2}}
+
+
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def srv(module_server: ServerProcess) -> ServerProcess:
     """One server with two front ends, shared by the tests that leave it running."""
-    s = launch({"policy": "shared", "models": [TINY], "server": {"frontends": 2}},
-               tmp_path_factory.mktemp("frontends"))
+    return module_server
+
+
+# The servers of the last three tests, one each (each test changes its server's state),
+# started together when the first of them runs: a start keeps one core busy, so three
+# starting at once on two cores are ready well before three one after another.
+OWN_SERVERS = {
+    "test_a_body_still_arriving_past_its_deadline_is_refused_across_the_link": {
+        "policy": "shared", "models": [{**TINY, "slo_ms": 300}], "server": {"frontends": 2}},
+    "test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_process": {
+        "policy": "shared", "server": {"frontends": 2},
+        "models": [{**TINY, "slo_ms": 15, "max_batch_size": 1, "max_queue_delay_ms": 0}]},
+    "test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided": {
+        "policy": "shared", "models": [TINY],
+        "server": {"frontends": 2, "decision_timeout_ms": 200}},
+}
+
+
+@pytest.fixture(scope="module")
+def own_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                ) -> Iterator[dict[str, ServerProcess]]:
+    wanted = {item.originalname for item in request.session.items  # type: ignore[attr-defined]
+              if item.module is request.module}  # type: ignore[attr-defined]
+    servers = {name: launch(cfg, tmp_path_factory.mktemp("own"))
+               for name, cfg in OWN_SERVERS.items() if name in wanted}
     try:
-        yield wait_ready(s)
+        for s in servers.values():
+            wait_ready(s)
+        yield servers
     finally:
-        s.stop()  # gracefully: a kill would leave its workers' shared memory behind
+        for s in servers.values():  # each test stops its own; this is for one that failed
+            if s.proc.poll() is None:
+                s.stop()
+
+
+@pytest.fixture
+def own(request: pytest.FixtureRequest, own_servers: dict[str, ServerProcess]) -> ServerProcess:
+    """This test's own server, ready (`OWN_SERVERS`)."""
+    return own_servers[request.node.originalname]  # type: ignore[attr-defined]
 
 
 def _infer_json(n: int = 1) -> bytes:
@@ -265,14 +303,12 @@ def test_a_killed_front_end_is_replaced_and_requests_go_on(srv: ServerProcess) -
 
 
 def test_a_body_still_arriving_past_its_deadline_is_refused_across_the_link(
-        tmp_path: Path) -> None:
+        own: ServerProcess) -> None:
     """Checked again while it arrives (`c`, every MiB), as one process checks it: a 3 MiB
     upload that stalls past its 300 ms SLO is refused once its next MiB comes, and the
     connection, its body dropped, serves the next request."""
-    s = launch({"policy": "shared", "models": [{**TINY, "slo_ms": 300}],
-                "server": {"frontends": 2}}, tmp_path)
+    s = own
     try:
-        wait_ready(s)
         size = 3 << 20
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
             c.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n"
@@ -324,16 +360,13 @@ def _stream(port: int, request: bytes, n: int, gap_s: float) -> list[bytes]:
 
 
 def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_process(
-        tmp_path: Path) -> None:
+        own: ServerProcess) -> None:
     """Under a stream of requests over its capacity, a front end answers a model's
     requests with the dispatch process's refusal while it stands
     (`server.link.StandingRefusals`), without asking: the client reads the same 429, and
     stats and /metrics count every refusal once."""
-    s = launch({"policy": "shared", "server": {"frontends": 2},
-                "models": [{**TINY, "slo_ms": 15, "max_batch_size": 1,
-                            "max_queue_delay_ms": 0}]}, tmp_path)
+    s = own
     try:
-        wait_ready(s)
         refusals: list[bytes] = []
         reasons: dict[str, int] = {}
         for _ in range(5):  # batches enough for its latency estimate to refuse by
@@ -388,16 +421,14 @@ def _counter(srv: ServerProcess, name: str) -> float:
 
 
 def test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided(
-        tmp_path: Path) -> None:
+        own: ServerProcess) -> None:
     """`server.decision_timeout_ms`: while the dispatch process is stopped (SIGSTOP: a
     loop that falls behind, at its worst), the front ends answer infer requests
     themselves once the time is up, 429 `work_ahead` (a chunked one too, which the front
     end asks about from its app rather than its connection); once it runs again it counts
     each of them once, and serves as before."""
-    s = launch({"policy": "shared", "models": [TINY],
-                "server": {"frontends": 2, "decision_timeout_ms": 200}}, tmp_path)
+    s = own
     try:
-        wait_ready(s)
         assert _post(s, _infer_json())[0] == 200  # decided in time: served
         sent = 7
         os.kill(s.pid, signal.SIGSTOP)

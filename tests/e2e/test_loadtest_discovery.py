@@ -16,22 +16,28 @@ from pathlib import Path
 import pytest
 import tritonclient.http as triton
 
-from tests.e2e.conftest import ROOT, Server, free_port
+from tests.e2e.conftest import ROOT, free_port
+from tests.e2e.server_process import ServerProcess as Server
 
 LOCUST = str(Path(sys.executable).with_name("locust"))
 
 
-@pytest.fixture(scope="module")
-def server(serve) -> Server:  # noqa: ANN001 - the `serve` fixture of conftest
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
     # Generous SLOs: this checks that requests are sent and answered, not speed.
-    return serve({
+    return {
         "policy": "shared",
         "models": [
             {"name": "tiny_cnn", "slo_ms": 5000, "max_batch_size": 4},
             {"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 3000, "max_batch_size": 2,
              "max_queue_delay_ms": 4, "priority": "high"},
         ],
-    })
+    }
+
+
+@pytest.fixture(scope="module")
+def server(module_server: Server) -> Server:
+    return module_server
 
 
 def locust(

@@ -12,20 +12,26 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.server_process import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def server(serve) -> str:  # noqa: ANN001 - the `serve` fixture of conftest
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
     # A generous SLO: this checks the accounting, not the speed of a shared machine.
-    srv = serve({
+    return {
         "policy": "shared",
         "models": [
             {"name": "tiny_cnn", "slo_ms": 5000, "max_batch_size": 4},
             {"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 5000, "max_batch_size": 2},
         ],
-    })
-    return f"http://{srv.url}"
+    }
+
+
+@pytest.fixture
+def server(module_server: ServerProcess) -> str:
+    return f"http://{module_server.url}"
 
 
 def test_make_loadtest_summary_counts_match_the_server(server: str, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.e2e.server_process import ServerProcess
 from tests.integration.test_runtime_policies import write_cpu_profiles
 
 B_CONFIG = {"zoo_name": "tiny_cnn", "slo_ms": 3000, "max_batch_size": 8,
@@ -45,14 +46,19 @@ def _infer(client: httpclient.InferenceServerClient, model: str) -> np.ndarray:
     return client.infer(model, [inp]).as_numpy("output")
 
 
-@pytest.mark.slow
-def test_load_infer_unload_under_load_and_the_index(serve, tmp_path: Path) -> None:  # noqa: ANN001
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
     write_cpu_profiles(tmp_path)
-    srv = serve({
+    return {
         "policy": "dstack", "profiles": str(tmp_path), "cores": [0, 1],
         "adapt": {"enabled": False},
         "models": [{"name": "tiny_a", **B_CONFIG}],
-    })
+    }
+
+
+@pytest.mark.slow
+def test_load_infer_unload_under_load_and_the_index(module_server: ServerProcess) -> None:
+    srv = module_server
     client = httpclient.InferenceServerClient(srv.url, network_timeout=120)
     assert _states(srv.url) == {"tiny_a": ("READY", "")}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.conftest import ROOT
+from tests.e2e.server_process import ServerProcess
 
 
 def _get(url: str, path: str, body: bytes | None = None) -> dict:
@@ -22,16 +24,22 @@ def _get(url: str, path: str, body: bytes | None = None) -> dict:
         return json.loads(r.read())
 
 
-@pytest.mark.slow
-def test_a_hot_model_is_served_by_two_workers_under_one_name(serve) -> None:  # noqa: ANN001
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
     # resnet18 at 50 rps within 300 ms: one worker on both cores serves ~30 rps in time
     # (committed CPU profiles), one per core at batch 1 more: the planner picks two.
-    srv = serve({
+    return {
         "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
         "adapt": {"enabled": False},
         "models": [{"name": "resnet18", "slo_ms": 300, "max_batch_size": 16,
                     "rate_rps": 50}],
-    })
+    }
+
+
+@pytest.mark.slow
+def test_a_hot_model_is_served_by_two_workers_under_one_name(
+        module_server: ServerProcess) -> None:
+    srv = module_server
     plan = _get(srv.url, "/v1/plan")
     lanes = [lane["models"] for lane in plan["lanes"]]
     assert sorted(m for ms in lanes for m in ms) == ["resnet18", "resnet18#1"], plan

@@ -15,11 +15,13 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from email.message import Message
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from server import codec
+from tests.e2e.server_process import ServerProcess
 
 
 def _infer(url: str, model: str) -> tuple[int, Message]:
@@ -57,18 +59,25 @@ def _failures(text: str, model: str) -> float:
         rf'^nv_inference_request_failure\{{[^}}]*model="{model}"[^}}]*\}} (\S+)$', text, re.M))
 
 
-@pytest.mark.slow
-def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(serve) -> None:  # noqa: ANN001
-    host = frozenset(os.sched_getaffinity(0))
-    front = frozenset({max(host)})
-    srv = serve({
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`)."""
+    front = max(os.sched_getaffinity(0))
+    return {
         "policy": "shared",  # every worker on every core
-        "server": {"cores": sorted(front)},
+        "server": {"cores": [front]},
         "models": [
             {"name": "patient", "zoo_name": "tiny_cnn", "slo_ms": 60000, "max_batch_size": 2},
             {"name": "hasty", "zoo_name": "tiny_cnn", "slo_ms": 300, "max_batch_size": 2},
         ],
-    })
+    }
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(
+        module_server: ServerProcess) -> None:
+    host = frozenset(os.sched_getaffinity(0))
+    front = frozenset({max(host)})
+    srv = module_server
     for m in ("patient", "hasty"):
         assert _infer(srv.url, m)[0] == 200
     pids = _worker_pids(srv.log.read_text())

@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import models
+from tests.e2e.server_process import ServerProcess
 
 
 def _weights(tmp_path: Path, name: str) -> Path:
@@ -30,10 +31,10 @@ def _direct(name: str, weights: Path, x: np.ndarray) -> np.ndarray:
         return m(torch.from_numpy(x)).numpy()
 
 
-@pytest.fixture(scope="module")
-def two_models(serve, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
-    tmp_path = tmp_path_factory.mktemp("weights")
-    cfg = {
+def server_config(tmp_path: Path) -> dict:
+    """This module's server (tests/e2e/conftest.py `module_server`), its weights files in
+    `tmp_path`."""
+    return {
         "policy": "shared",
         "server": {"max_body_bytes": 8 * 1024 * 1024},
         "models": [
@@ -43,7 +44,11 @@ def two_models(serve, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001
              "max_queue_delay_ms": 5, "weights": str(_weights(tmp_path, "mobilenet_v3_small"))},
         ],
     }
-    return serve(cfg), tmp_path
+
+
+@pytest.fixture(scope="module")
+def two_models(module_server: ServerProcess):  # noqa: ANN201
+    return module_server, module_server.log.parent  # the weights are beside its log
 
 
 def test_tritonclient_binary_and_json_match_the_model_run_directly(two_models) -> None:  # noqa: ANN001

@@ -29,21 +29,40 @@ MAX_CONNECTIONS = 40
 INFER = "/v2/models/tiny_cnn/infer"
 
 
+@pytest.fixture(scope="module")
+def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            ) -> Iterator[dict[int, ServerProcess]]:
+    """Both servers of `srv`, started together (a start keeps one core busy: two starting at
+    once on two cores are ready in about the time of one)."""
+    wanted = {item.callspec.params["srv"] for item in request.session.items  # type: ignore[attr-defined]
+              if item.module is request.module and "srv" in getattr(item, "callspec", {}).params}  # type: ignore[attr-defined]
+    started: dict[int, ServerProcess] = {}
+    try:
+        for n in sorted(wanted):
+            tmp = tmp_path_factory.mktemp("limits")
+            (tmp / "token").write_text(TOKEN + "\n")
+            started[n] = launch({"policy": "shared", "models": [TINY], "server": {
+                "max_body_bytes": MAX_BODY, "body_budget_bytes": BUDGET,
+                "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S,
+                "max_connections": n * MAX_CONNECTIONS, "auth_token_file": "token",
+                "frontends": n}}, tmp)
+        for s in started.values():
+            wait_ready(s)
+        yield started
+    finally:
+        for s in started.values():
+            if s.proc.poll() is None:
+                s.stop()
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-front-ends"])
 def srv(request: pytest.FixtureRequest,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+        servers: dict[int, ServerProcess]) -> Iterator[ServerProcess]:
     """The server in one process, and with two front-end processes (the connection cap is
     per front end: MAX_CONNECTIONS each, however the kernel spreads the connections)."""
-    tmp = tmp_path_factory.mktemp("limits")
-    (tmp / "token").write_text(TOKEN + "\n")
-    n = request.param
-    s = launch({"policy": "shared", "models": [TINY], "server": {
-        "max_body_bytes": MAX_BODY, "body_budget_bytes": BUDGET,
-        "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S,
-        "max_connections": n * MAX_CONNECTIONS, "auth_token_file": "token",
-        "frontends": n}}, tmp)
+    s = servers[request.param]
     try:
-        yield wait_ready(s)
+        yield s
     finally:
         s.stop()  # gracefully: a kill would leave its workers' shared memory behind
 
