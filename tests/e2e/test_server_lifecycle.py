@@ -56,28 +56,36 @@ def test_sigterm_and_sigint_drain_and_exit_0(tmp_path: Path, frontends: int) -> 
             servers[sig] = launch(cfg, tmp_path / sig.name)
         for srv in servers.values():
             wait_ready(srv)
+        # Both servers at once (each its own request, upload and signal): their drains
+        # overlap, which a server cannot see.
+        fronts, results, threads, uploads = {}, {}, {}, {}
         for sig, srv in servers.items():
-            fronts = srv.front_ends()
-            assert len(fronts) == (frontends if frontends > 1 else 0)
-            results: list = []
-            thread = _post_in_thread(srv, results)
-            upload = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
-            upload.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 9000\r\n\r\n{{"
-                           .encode())
-            time.sleep(0.5)  # the request is queued, the upload stalled
+            fronts[sig] = srv.front_ends()
+            assert len(fronts[sig]) == (frontends if frontends > 1 else 0)
+            results[sig] = []
+            threads[sig] = _post_in_thread(srv, results[sig])
+            uploads[sig] = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            uploads[sig].sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 9000"
+                                 "\r\n\r\n{".encode())
+        time.sleep(0.5)  # the requests are queued, the uploads stalled
+        for sig, srv in servers.items():
             srv.proc.send_signal(sig)
-            raw = upload.recv(4096)
-            upload.close()
+        for sig in servers:
+            raw = uploads[sig].recv(4096)
+            uploads[sig].close()
             assert raw.startswith(b"HTTP/1.1 503"), raw  # not held until the grace ends
             assert "shutting down" in json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
-            thread.join(30)
-            assert results and results[0][0] == 200, (results, srv.text())
-            assert len(results[0][1]["outputs"][0]["data"]) == 10
+        for sig, srv in servers.items():
+            threads[sig].join(30)
+            got = results[sig]
+            assert got and got[0][0] == 200, (got, srv.text())
+            assert len(got[0][1]["outputs"][0]["data"]) == 10
+        for sig, srv in servers.items():
             code = srv.stop(sig, timeout_s=LONG_S / 2)  # waits; signal already sent
             assert code == 0, srv.text()
             assert "dstack stopped" in srv.text()
             # the front ends drained and exited with it, and none was restarted meanwhile
-            assert not [pid for pid in fronts if Path(f"/proc/{pid}").exists()]
+            assert not [pid for pid in fronts[sig] if Path(f"/proc/{pid}").exists()]
             assert "starting another" not in srv.text()
     finally:
         for srv in servers.values():
