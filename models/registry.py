@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dstack.common.types import DType, ModelSpec, TensorSpec
-
-DEFAULT_MAX_BATCH = 64
-
-
-class ModelZooError(ValueError):
-    """An unknown model name, a bad builder reference or an unreadable weights file."""
+from dstack.common.types import ModelSpec
+from models.specs import (
+    INPUT_SIZE,
+    TINY_CNN_SPEC,
+    ModelZooError,
+    image_spec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,15 +29,6 @@ class ZooEntry:
     name: str
     builder: Callable[[], nn.Module]
     spec: ModelSpec
-
-
-def _image_spec(name: str, size: int = 224, classes: int = 1000) -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        inputs=(TensorSpec("input", DType.FP32, (-1, 3, size, size)),),
-        outputs=(TensorSpec("output", DType.FP32, (-1, classes)),),
-        max_batch_size=DEFAULT_MAX_BATCH,
-    )
 
 
 class TinyCNN(nn.Module):
@@ -89,22 +80,9 @@ def _torchvision_classifiers() -> dict[str, Callable[..., nn.Module]]:
     return {n: tvm.get_model_builder(n) for n in tvm.list_models(module=tvm)}
 
 
-# ViTs built by torchvision take a fixed image size; everything else here is 224.
-_INPUT_SIZE = {"inception_v3": 299, "vit_h_14": 518}
-
-
 def _register_defaults() -> None:
-    register(
-        "tiny_cnn",
-        TinyCNN,
-        ModelSpec(
-            "tiny_cnn",
-            (TensorSpec("input", DType.FP32, (-1, 3, 32, 32)),),
-            (TensorSpec("output", DType.FP32, (-1, 10)),),
-            DEFAULT_MAX_BATCH,
-        ),
-    )
-    register("pool_linear", PoolLinear, _image_spec("pool_linear"))
+    register("tiny_cnn", TinyCNN, TINY_CNN_SPEC)
+    register("pool_linear", PoolLinear, image_spec("pool_linear"))
     for name, fn in _torchvision_classifiers().items():
         # inception_v3/googlenet would add aux heads and try to fetch nothing, but their
         # eval-mode output is the plain logits; init_weights=False keeps build time down.
@@ -114,7 +92,7 @@ def _register_defaults() -> None:
                 kwargs.update(aux_logits=False, init_weights=False)
             return fn(**kwargs)
 
-        register(name, build, _image_spec(name, _INPUT_SIZE.get(name, 224)))
+        register(name, build, image_spec(name, INPUT_SIZE.get(name, 224)))
 
 
 def names() -> list[str]:

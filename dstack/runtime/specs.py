@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+
 from dstack.common.config import ConfigError, ModelConfig
-from dstack.common.types import ModelSpec
+from dstack.common.types import DType, ModelSpec, TensorSpec
+from models.specs import ModelZooError, builtin_spec
 
 
 def served_spec(m: ModelConfig) -> ModelSpec:
     """The zoo's spec with the configured max batch (or one built from the config for a
-    TorchScript / builder model outside the zoo)."""
-    import models
-    from dstack.common.types import DType, TensorSpec
-
+    TorchScript / builder model outside the zoo). The zoo's own models are looked up
+    without torch (`models.specs`); the zoo itself is asked about any other name, and
+    about every name once a process has it (a model registered at run time counts)."""
+    base = builtin_spec(m.zoo) if "models.registry" not in sys.modules else None
     try:
-        base = models.spec(m.zoo)
-    except models.ModelZooError as e:
+        if base is None:
+            import models
+
+            base = models.spec(m.zoo)
+    except ModelZooError as e:
         if m.input_shape is None or m.num_classes is None:
             if m.torchscript is not None or m.builder is not None:
                 raise ConfigError(
