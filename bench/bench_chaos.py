@@ -256,8 +256,9 @@ def overload(args: argparse.Namespace) -> list[Row]:
             label = (policy if n == 1 else f"{policy}+{n}fe") + (f"+{ms:g}ms" if ms else "")
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
-            server = ({**(front or {}), "frontends": n,
-                       **({"decision_timeout_ms": ms} if ms else {})} if n > 1 else front)
+            # (1 said: a one-process server, whatever `auto` would make of this host)
+            server = {**(front or {}), "frontends": n,
+                      **({"decision_timeout_ms": ms} if ms else {})}
             srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
                                                      top=args.top),
                                               OUT / f"overload-{label}.log"))
@@ -577,7 +578,7 @@ def refusal_cost(args: argparse.Namespace) -> list[Row]:
     process's (`server_*`) and the front ends' together (`frontends_us`)."""
     out = []
     for n in args.frontends:
-        cfg = config("dstack", f"refusal-cost-{n}", {"frontends": n} if n > 1 else None)
+        cfg = config("dstack", f"refusal-cost-{n}", {"frontends": n})
         spec = yaml.safe_load(cfg.read_text())
         for m in spec["models"]:
             m["slo_ms"], m["max_queue_delay_ms"] = 1, 0.5
@@ -600,7 +601,7 @@ def accept_cost(args: argparse.Namespace) -> list[Row]:
     for n in args.frontends:
         cfg = OUT / f"accept-cost-{n}.yaml"
         cfg.write_text(yaml.safe_dump({**RUNTIME_CONFIG,
-                                       **({"server": {"frontends": n}} if n > 1 else {})}))
+                                       "server": {"frontends": n}}))
         out.append(_server_cost(cfg, "image", args.accept_requests,
                                 "accept cost (pool_linear, 600 KB bodies", n))
     return out

@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from dstack.common.backend import InferenceBackend
-from dstack.common.config import DeployConfig, ServerConfig, load_config
+from dstack.common.config import DeployConfig, ServerConfig, frontend_processes, load_config
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
 from server.app import MODEL_VERSION, create_app
@@ -284,6 +284,8 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         cfg = load_config(config_path)
         logging.basicConfig(level=cfg.server.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        host_cores = available_cores()
+        cfg = _with_frontends(cfg, len(host_cores))
         at = host if host is not None else cfg.server.host
         token = load_token(cfg.server)
         steady_server_heap()
@@ -293,7 +295,6 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         from dstack.runtime.serving import Runtime  # heavy (torch)
 
         runtime = Runtime(cfg)  # checks every model against the zoo
-        host_cores = available_cores()
         _pin_front_end(cfg.server)  # after Runtime: its workers start on the cores of before
         scheme = "https" if cfg.server.tls_certfile else "http"
         shown = f"[{at}]" if ":" in at else at
@@ -313,6 +314,17 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         return _Serving(server_config(app, cfg.server), runtime, ready), sock
 
     return run_until_stopped(prepare, "dstack")
+
+
+def _with_frontends(cfg: DeployConfig, cores: int) -> DeployConfig:
+    """`cfg` with `server.frontends` as the number `dstack serve` runs
+    (`frontend_processes`), said once in the log when `auto` chose it."""
+    n = frontend_processes(cfg, cores)
+    if cfg.server.frontends == "auto":
+        log.info("server.frontends auto: %s (device %s, %d cores, %d models)",
+                 f"{n} front-end processes" if n > 1 else "this process serves HTTP",
+                 cfg.device.value, cores, len(cfg.models))
+    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"frontends": n})})
 
 
 def _one_line(e: BaseException) -> str:

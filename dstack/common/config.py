@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -89,13 +89,14 @@ class ServerConfig(_Strict):
     tls_keyfile: Path | None = None
     """PEM private key of `tls_certfile` (not needed when the cert file holds the key)."""
     log_level: str = "info"
-    frontends: Annotated[int, Field(ge=1, le=64)] = 1
+    frontends: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Processes that read, refuse and answer HTTP requests. 1: the server's own process does
     it all. More: that many front-end processes share the listening socket, each under these
     limits (`max_connections` and `body_budget_bytes` shared out among them), and pass
     each request to the server's process, which decides and runs it (docs/frontends.md).
     For a host whose one server process is busier than its device (a GPU host under
-    overload); on a machine with few cores they take the workers' cores."""
+    overload); on a machine with few cores they take the workers' cores. `auto`
+    (`frontend_processes`): up to 4 on a CUDA device with cores to spare, else 1."""
     decision_timeout_ms: Annotated[float, Field(ge=0)] = 0.0
     """With `frontends` > 1: a front end answers an infer request's header itself (429
     `work_ahead`, as the server's refusals for work ahead are) when the server's process
@@ -243,6 +244,27 @@ class DeployConfig(_Strict):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+
+#: `server.frontends: auto` runs at most this many front ends: what a lent H100 host with
+#: 16 cores was measured with (docs/frontends.md).
+AUTO_FRONTENDS_MAX = 4
+
+
+def frontend_processes(cfg: DeployConfig, cores: int) -> int:
+    """How many front-end processes `dstack serve` runs for `cfg` on `cores` CPU cores
+    (1: none, its own process serves HTTP). `server.frontends: auto`: on a CUDA device,
+    where the workers need little CPU and the one server process is the bottleneck, half
+    the cores left after the server's process and one per model's worker, up to
+    `AUTO_FRONTENDS_MAX` (the other half for the OS and whatever else runs there); on a
+    CPU device, or with fewer than two to give, 1 (the workers compute on the cores)."""
+    n = cfg.server.frontends
+    if n != "auto":
+        return n
+    if cfg.device != DeviceKind.CUDA:
+        return 1
+    n = min(AUTO_FRONTENDS_MAX, (cores - 1 - len(cfg.models)) // 2)
+    return n if n >= 2 else 1
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -217,7 +217,10 @@ class Runtime:
         self._body_s: dict[str, tuple[float, float]] = {}
         # How many bodies are read at once, at most (dstack.runtime.reading).
         server = cfg.server
-        self.read_limit = ReadLimit(server.max_body_reads, server.frontends) if (
+        # (`dstack serve` gives the number of front ends `auto` comes to; anywhere else a
+        # runtime's bodies are read by one process)
+        readers = server.frontends if isinstance(server.frontends, int) else 1
+        self.read_limit = ReadLimit(server.max_body_reads, readers) if (
             server.max_body_reads) else None
         # The bodies being read: when each request let through with a hold was, by the
         # token `refuse_early` gave it (oldest first), until `release`.

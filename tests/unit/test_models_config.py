@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,13 @@ import torch
 from torch import nn
 
 import models
-from dstack.common.config import ConfigError, PolicyName, load_config
+from dstack.common.config import (
+    ConfigError,
+    PolicyName,
+    frontend_processes,
+    load_config,
+    parse_config,
+)
 from dstack.runtime.specs import served_spec
 
 
@@ -86,6 +93,8 @@ def test_config_defaults_and_relative_paths(tmp_path: Path) -> None:
         ("policy: fastest\nmodels:\n  - name: a\n", "policy"),
         ("models:\n  - name: a\n    colour: red\n", "models.0.colour"),
         ("server:\n  port: 70000\nmodels:\n  - name: a\n", "server.port"),
+        ("server:\n  frontends: many\nmodels:\n  - name: a\n", "server.frontends"),
+        ("server:\n  frontends: 0\nmodels:\n  - name: a\n", "server.frontends"),
         ("models: [\n", "not valid YAML"),
     ],
 )
@@ -94,6 +103,39 @@ def test_bad_config_names_the_field_and_the_reason(tmp_path: Path, text: str,
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, text))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("device", "cores", "models", "expected"),
+    [
+        ("cuda", 16, 2, 4),  # a lent H100 host: the four it was measured with
+        ("cuda", 64, 2, 4),  # never more than AUTO_FRONTENDS_MAX
+        ("cuda", 8, 2, 2),  # (8 - 1 - 2) // 2
+        ("cuda", 8, 4, 1),  # one would be no front end at all
+        ("cuda", 4, 1, 1),
+        ("cpu", 64, 2, 1),  # the workers compute on the cores
+    ],
+)
+def test_frontends_auto_runs_front_ends_on_a_cuda_host_with_cores_to_spare(
+        caplog: pytest.LogCaptureFixture, device: str, cores: int, models: int,
+        expected: int) -> None:
+    from server.main import _with_frontends
+
+    cfg = parse_config({"device": device,
+                        "models": [{"name": f"m{i}", "zoo_name": "tiny_cnn"}
+                                   for i in range(models)]})
+    assert cfg.server.frontends == "auto"  # the default
+    with caplog.at_level(logging.INFO, logger="dstack.server"):
+        served = _with_frontends(cfg, cores)
+    assert served.server.frontends == expected == frontend_processes(cfg, cores)
+    said = (f"{expected} front-end processes" if expected > 1
+            else "this process serves HTTP")
+    assert f"server.frontends auto: {said} (device {device}, {cores} cores" in caplog.text
+    # a number given is kept as it is, on any host, and said nothing about
+    caplog.clear()
+    given = cfg.model_copy(update={"server": cfg.server.model_copy(update={"frontends": 3})})
+    assert _with_frontends(given, cores).server.frontends == 3
+    assert "auto" not in caplog.text
 
 
 def test_served_spec_uses_the_configured_max_batch_and_user_shapes(tmp_path: Path) -> None:
