@@ -140,37 +140,16 @@ class LaneChoice:
 
 
 def planning_latency(profile: Profile, *, margin: float = 0.10) -> Latency:
-    """L(b, p) in ms for planning: the profile's p50 grown by `margin`, with the
-    simulator's interpolation rules (a percent rounds down to a measured one, below the
-    smallest it scales as work-conserving; a batch interpolates linearly between profiled
-    ones and extrapolates above the largest)."""
-    measured = sorted(profile.percentages)
-    bs = sorted(profile.batch_sizes)
+    """L(b, p) in ms for planning: the profile's p50 grown by `margin`, interpolated as the
+    simulator does (`Profile.interpolated_ms`)."""
     cache: dict[tuple[int, float], float] = {}
 
     def lat(batch: int, percent: float) -> float:
         hit = cache.get((batch, percent))
-        if hit is not None:
-            return hit
-        scale = 1.0
-        if percent < measured[0] - 1e-9:
-            scale, p = measured[0] / max(percent, 1e-9), measured[0]
-        else:
-            p = measured[bisect.bisect_right(measured, percent + 1e-9) - 1]
-        ys = [profile.latency_ms(b, p) for b in bs]
-        if len(bs) == 1:
-            y = ys[0] * max(1.0, batch / bs[0])
-        elif batch <= bs[0]:
-            y = ys[0]
-        else:
-            i = min(bisect.bisect_left(bs, batch), len(bs) - 1)
-            b0, b1, y0, y1 = bs[i - 1], bs[i], ys[i - 1], ys[i]
-            y = y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
-            if batch > bs[-1]:
-                y = max(y, ys[-1])
-        out = y * scale * (1.0 + margin)
-        cache[(batch, percent)] = out
-        return out
+        if hit is None:
+            hit = cache[(batch, percent)] = (profile.interpolated_ms(batch, percent)
+                                             * (1.0 + margin))
+        return hit
 
     return lat
 

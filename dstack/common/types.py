@@ -145,6 +145,33 @@ class Profile:
         c = self.cell(batch, measured[i])
         return c.p50_ms if stat == "p50" else c.p95_ms
 
+    def interpolated_ms(self, batch: int, percent: float) -> float:
+        """Latency (p50) at any batch and any percent, as the simulator and the planner
+        model it (`dstack.simulate.latency` has the rules): the percent rounds down to a
+        measured one, and below the smallest scales as work-conserving; the batch
+        interpolates linearly between profiled ones, extrapolates from the last two above
+        the largest (never below its latency), and takes the smallest's below it."""
+        measured = sorted(self.percentages)
+        scale = 1.0
+        if percent < measured[0] - 1e-9:
+            scale = measured[0] / max(percent, 1e-9)
+            p = measured[0]
+        else:
+            p = measured[bisect.bisect_right(measured, percent + 1e-9) - 1]
+        bs = sorted(self.batch_sizes)
+        ys = [self.latency_ms(b, p) for b in bs]
+        if len(bs) == 1:
+            y = ys[0] * max(1.0, batch / bs[0])
+        elif batch <= bs[0]:
+            y = ys[0]
+        else:
+            i = min(bisect.bisect_left(bs, batch), len(bs) - 1)  # segment (i-1, i)
+            b0, b1, y0, y1 = bs[i - 1], bs[i], ys[i - 1], ys[i]
+            y = y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+            if batch > bs[-1]:
+                y = max(y, ys[-1])
+        return y * scale
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d = {"schema": PROFILE_SCHEMA, **d}

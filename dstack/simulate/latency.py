@@ -18,33 +18,13 @@ Latencies are the profile's p50. Pure functions over `Profile`; nothing here run
 
 from __future__ import annotations
 
-import bisect
-
 from dstack.common.types import Profile
 
 
 def latency_ms(profile: Profile, batch: int, percent: float) -> float:
-    """L(batch, percent) in ms under the rules of the module docstring."""
-    measured = sorted(profile.percentages)
-    scale = 1.0
-    if percent < measured[0] - 1e-9:
-        scale = measured[0] / max(percent, 1e-9)
-        p = measured[0]
-    else:
-        p = measured[bisect.bisect_right(measured, percent + 1e-9) - 1]
-    bs = sorted(profile.batch_sizes)
-    ys = [profile.latency_ms(b, p) for b in bs]
-    if len(bs) == 1:
-        y = ys[0] * max(1.0, batch / bs[0])
-    elif batch <= bs[0]:
-        y = ys[0]
-    else:
-        i = min(bisect.bisect_left(bs, batch), len(bs) - 1)  # segment (i-1, i)
-        b0, b1, y0, y1 = bs[i - 1], bs[i], ys[i - 1], ys[i]
-        y = y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
-        if batch > bs[-1]:
-            y = max(y, ys[-1])
-    return y * scale
+    """L(batch, percent) in ms under the rules of the module docstring
+    (`Profile.interpolated_ms`, which the planner reads too)."""
+    return profile.interpolated_ms(batch, percent)
 
 
 def latency_table_s(profile: Profile, percent: float, max_batch: int) -> list[float]:
