@@ -103,7 +103,7 @@ class EarlyRefusal:
                 model = m.group(1)
                 try:
                     if not scope.get(ASKED_AT_HEADER):  # else asked by the connection already
-                        self.refuse_early(model)
+                        self.refuse_early(model, _since(scope))
                 except ModelNotFound:
                     pass  # the route answers it (404), as without this middleware
                 except DStackError as e:
@@ -190,11 +190,12 @@ class HeaderRefusal:
         model = m.group(1)
         hold = self.hold and scope is not None
         token = None
+        since_s = 0.0 if scope is None else _since(scope)
         try:
             if hold:
-                token = self.refuse_early(model, hold=True)
+                token = self.refuse_early(model, since_s, hold=True)
             else:
-                self.refuse_early(model)
+                self.refuse_early(model, since_s)
         except ModelNotFound:
             return None  # the route answers it (404)
         except DStackError as e:
@@ -205,6 +206,12 @@ class HeaderRefusal:
         if hold:
             scope[HELD] = (model, token)  # type: ignore[index]
         return None
+
+
+def _since(scope: Scope | dict[str, Any]) -> float:
+    """How long ago the request's first byte came (0 where the connection did not say)."""
+    received = scope.get(RECEIVED_AT)
+    return 0.0 if received is None else max(0.0, time.monotonic() - received)
 
 
 def _counted(failed: Failed, model: str, e: DStackError, stage: str,

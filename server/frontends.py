@@ -49,6 +49,35 @@ from server.link import (
 log = logging.getLogger("dstack.server")
 
 
+#: A front end bounds how long a header waits for its decision (`server.decision_timeout_ms`)
+#: only while the server is refusing: at least this share of the front end's recent
+#: header decisions were refusals (a running mean, each decision weighing
+#: `DECISIONS_WEIGHT`: about the last 20). Under overload that bound is what keeps a
+#: refusal fast when the deciding process's loop falls behind; at normal load a loop that
+#: falls behind now and then (a collection, a re-plan) only delays requests, as it would
+#: in one process, and refuses none.
+BOUND_WHILE_REFUSED = 0.25
+DECISIONS_WEIGHT = 0.05
+
+
+class DecisionBound:
+    """`server.decision_timeout_ms` (`limit_s`) as a front end applies it: `now()`, the
+    bound on the decision about a header asked now (0: wait for it), `limit_s` while the
+    share of refusals among the decisions told to `decided` is `BOUND_WHILE_REFUSED` or
+    more (a decision the front end made itself, refusing a header not decided in time, is
+    not one of them: it cannot keep the bound on by itself)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.refused_share = 0.0
+
+    def decided(self, refused: bool) -> None:
+        self.refused_share += DECISIONS_WEIGHT * (refused - self.refused_share)
+
+    def now(self) -> float:
+        return self.limit_s if self.refused_share >= BOUND_WHILE_REFUSED else 0.0
+
+
 class LinkHeaderCheck:
     """The front end's `server.connection.HeaderCheck`: an infer request's header asked
     about across the link (`h`) the moment it is parsed, with no task and no app; the
@@ -56,19 +85,20 @@ class LinkHeaderCheck:
     connection as the one-process server's `server.early.HeaderRefusal` writes it; a
     request let through goes to the app with its id on the link (`LINK_ID`), its place
     held. A refusal that stands (`StandingRefusals`) answers the model's next requests
-    without asking, while it does. `decide_s` (`server.decision_timeout_ms`; 0: none): a
-    request not decided on within it of its first byte is refused here (`undecided_error`)
-    and the dispatch process told (`u`: it gives back the place it held, if it let it
-    through, and counts the refusal). Not asked (None: `FrontEndRefusal` asks): other
-    routes, bodies over `max_body_bytes`, requests without the token where one is wanted."""
+    without asking, while it does. `bound` (`DecisionBound`: `server.decision_timeout_ms`
+    while the server is refusing; none by default): a request not decided on within it of
+    its first byte is refused here (`undecided_error`) and the dispatch process told (`u`:
+    it gives back the place it held, if it let it through, and counts the refusal). Not
+    asked (None: `FrontEndRefusal` asks): other routes, bodies over `max_body_bytes`,
+    requests without the token where one is wanted."""
 
     def __init__(self, link: Link, *, max_body_bytes: int,
                  allowed: Callable[[str, list[tuple[bytes, bytes]]], bool] | None,
-                 decide_s: float = 0.0) -> None:
+                 bound: DecisionBound | None = None) -> None:
         self.link = link
         self.max_body_bytes = max_body_bytes
         self.allowed = allowed
-        self.decide_s = decide_s
+        self.bound = bound or DecisionBound(0.0)
         self.standing = StandingRefusals(link)
 
     def __call__(self, path: str, headers: list[tuple[bytes, bytes]], length: int,
@@ -81,10 +111,12 @@ class LinkHeaderCheck:
         received = scope.get(RECEIVED_AT) or time.monotonic()
         standing = self.standing.answer(key, received)
         if standing is not None:
+            self.bound.decided(True)
             return standing
         i = next(self.link.ids)
         resume = scope[ANSWER_LATER]
         timer: asyncio.TimerHandle | None = None
+        decide_s = self.bound.now()
 
         def answered(reply: dict[str, Any] | None, _: bytes) -> None:
             if timer is not None:
@@ -93,31 +125,33 @@ class LinkHeaderCheck:
                 e: DStackError = Unavailable(STOPPING)
                 e.retry_after_s = 1.0
             elif reply["k"] == "go":
+                self.bound.decided(False)
                 scope[LINK_ID] = i
                 if not resume(None):  # the client has gone meanwhile
                     self.link.tell({"k": "r", "i": i})
                 return
             else:
+                self.bound.decided(True)
                 e = error_of(reply)
             answer = _refusal_answer(e)
             if reply is not None:
                 self.standing.stand(key, reply, answer)
             resume(answer)
 
-        if not self.link.ask(_header_meta(i, *key, received, self.decide_s), answered):
+        if not self.link.ask(_header_meta(i, *key, received, decide_s), answered):
             return None
-        if self.decide_s > 0:
+        if decide_s > 0:
             timer = asyncio.get_running_loop().call_later(
-                max(0.0, received + self.decide_s - time.monotonic()),
-                self._undecided, i, key[0], received, resume)
+                max(0.0, received + decide_s - time.monotonic()),
+                self._undecided, i, key[0], received, decide_s, resume)
         return LATER
 
-    def _undecided(self, i: int, model: str, received: float,
+    def _undecided(self, i: int, model: str, received: float, decide_s: float,
                    resume: Callable[[Any], bool]) -> None:
         if self.link.waiting.pop(i, None) is None:  # answered meanwhile
             return
-        self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": self.decide_s})
-        resume(_refusal_answer(undecided_error(model, self.decide_s)))
+        self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": decide_s})
+        resume(_refusal_answer(undecided_error(model, decide_s)))
 
 
 def _header_meta(i: int, model: str, version: str | None, received: float,
@@ -197,15 +231,15 @@ class FrontEndRefusal:
     """`server.early.EarlyRefusal` across the link: the header of `POST .../infer` asked
     about (`h`) before its body is read, and again (`c`) each CHECK_EVERY_BYTES while it
     arrives; a refusal answered with the same status, body and `Retry-After`, and the rest
-    of its body dropped by the connection. A header not decided on within `decide_s` of
-    its first byte is refused here, as `LinkHeaderCheck` refuses one."""
+    of its body dropped by the connection. A header not decided on within `bound` of its
+    first byte is refused here, as `LinkHeaderCheck` refuses one."""
 
     def __init__(self, app: ASGIApp, link: Link, *, drain_bytes: int,
-                 decide_s: float = 0.0) -> None:
+                 bound: DecisionBound | None = None) -> None:
         self.app = app
         self.link = link
         self.drain_bytes = drain_bytes
-        self.decide_s = decide_s
+        self.bound = bound or DecisionBound(0.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         m = None
@@ -219,20 +253,21 @@ class FrontEndRefusal:
         i = scope.get(LINK_ID)
         if i is None:  # not asked by the connection (LinkHeaderCheck): asked here
             i = next(self.link.ids)
+            decide_s = self.bound.now()
             try:
-                async with asyncio.timeout(max(0.0, received + self.decide_s - time.monotonic())
-                                           if self.decide_s else None):
+                async with asyncio.timeout(max(0.0, received + decide_s - time.monotonic())
+                                           if decide_s else None):
                     reply, _ = await self.link.call(
-                        _header_meta(i, model, m.group(2), received, self.decide_s))
+                        _header_meta(i, model, m.group(2), received, decide_s))
             except DStackError as e:
                 await refuse(scope, receive, send, e.status_code, e.message)
                 return
             except TimeoutError:
                 self.link.waiting.pop(i, None)  # (its late answer, if any, finds no one)
-                self.link.tell({"k": "u", "i": i, "m": model, "t": received,
-                                "d": self.decide_s})
-                await self._refuse(scope, receive, send, undecided_error(model, self.decide_s))
+                self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": decide_s})
+                await self._refuse(scope, receive, send, undecided_error(model, decide_s))
                 return
+            self.bound.decided(reply["k"] == "no")
             if reply["k"] == "no":
                 await self._refuse(scope, receive, send, error_of(reply))
                 return
@@ -421,15 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     app: ASGIApp = FrontEnd(link, s.max_body_bytes)
     app = BodyLimits(app, max_body_bytes=s.max_body_bytes, budget=SharedBodyBudget(
         s.body_budget_bytes, Path(args.budget), args.slot))
-    app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes,
-                          decide_s=s.decision_timeout_ms / 1000)
+    bound = DecisionBound(s.decision_timeout_ms / 1000)
+    app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes, bound=bound)
     token = load_token(s)
     if token is not None:
         app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
                          drain_bytes=s.max_body_bytes)
     check = LinkHeaderCheck(link, max_body_bytes=s.max_body_bytes,
                             allowed=header_allows(token, s.auth_open_paths),
-                            decide_s=s.decision_timeout_ms / 1000)
+                            bound=bound)
     config = server_config(app, s, header_check=check, body_store=bodies.store)
     config.lifespan = "off"
 
@@ -454,3 +489,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -295,7 +295,9 @@ class _DispatchLink(FrameReader):
             self.send({"k": "go", "i": i})  # the route answers it (404 for a wrong version)
             return
         try:
-            token = ask(model, hold=self.d.release is not None)
+            # judged from its first byte: a header decided late (the loop behind, the
+            # link's round trip) has that much less time left
+            token = ask(model, time.monotonic() - meta["t"], hold=self.d.release is not None)
         except DStackError as e:
             if e.status_code == 404:  # the route answers it
                 self.send({"k": "go", "i": i})

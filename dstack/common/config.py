@@ -97,13 +97,15 @@ class ServerConfig(_Strict):
     For a host whose one server process is busier than its device (a GPU host under
     overload); on a machine with few cores they take the workers' cores. `auto`
     (`frontend_processes`): up to 4 on a CUDA device with cores to spare, else 1."""
-    decision_timeout_ms: Annotated[float, Field(ge=0)] = 0.0
-    """With `frontends` > 1: a front end answers an infer request's header itself (429
-    `work_ahead`, as the server's refusals for work ahead are) when the server's process
-    has not decided on it within this many ms of its first byte, as under overload it may
-    not (its loop busy with the requests it took). Bounds how long a refusal at the header
-    takes; a request so refused may have been one the server would have taken. 0: a front
-    end waits for the decision."""
+    decision_timeout_ms: Annotated[float, Field(ge=0)] = 3.0
+    """With `frontends` > 1, while the server is refusing (a quarter or more of a front
+    end's recent header decisions were refusals: under overload): a front end answers an
+    infer request's header itself (429 `work_ahead`, as the server's refusals for work
+    ahead are) when the server's process has not decided on it within this many ms of its
+    first byte, as under overload it may not (its loop busy with the requests it took).
+    Bounds how long a refusal at the header takes; a request so refused may have been one
+    the server would have taken. At normal load a front end waits for the decision. 0: it
+    always waits."""
     cores: tuple[int, ...] | None = Field(default=None, min_length=1)
     """CPU cores the server's own process runs on: reading, refusing and answering
     requests (with `frontends` > 1, the front ends run on the other cores this process

@@ -52,7 +52,7 @@ OWN_SERVERS = {
         "policy": "shared", "server": {"frontends": 2},
         "models": [{**TINY, "slo_ms": 15, "max_batch_size": 1, "max_queue_delay_ms": 0}]},
     "test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided": {
-        "policy": "shared", "models": [TINY],
+        "policy": "shared", "models": [{**TINY, "slo_ms": 300}],
         "server": {"frontends": 2, "decision_timeout_ms": 200}},
 }
 
@@ -414,6 +414,36 @@ def test_refusals_that_stand_at_a_front_end_answer_and_count_as_the_dispatch_pro
         s.stop()
 
 
+def _late_headers(srv: ServerProcess, n: int) -> list[tuple[int, str]]:
+    """`n` infer requests at once, each on its own connection, whose header comes whole
+    only after the model's SLO (300 ms) has gone by since its first byte: (status, error)
+    of each."""
+    body = _infer_json()
+    head = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n").encode()
+    socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.sendall(head[:20])
+        time.sleep(0.4)
+        for sock in socks:
+            sock.sendall(head[20:] + b"\r\n" + body)
+        out = []
+        for sock in socks:
+            raw = b""
+            while b"\r\n\r\n" not in raw or not raw.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                raw += chunk
+            head_text, _, payload = raw.partition(b"\r\n\r\n")
+            out.append((int(head_text.split()[1]), json.loads(payload)["error"]))
+        return out
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _counter(srv: ServerProcess, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", _get_text(srv, "/metrics"), re.M)
     assert m is not None, name
@@ -422,14 +452,26 @@ def _counter(srv: ServerProcess, name: str) -> float:
 
 def test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided(
         own: ServerProcess) -> None:
-    """`server.decision_timeout_ms`: while the dispatch process is stopped (SIGSTOP: a
-    loop that falls behind, at its worst), the front ends answer infer requests
-    themselves once the time is up, 429 `work_ahead` (a chunked one too, which the front
-    end asks about from its app rather than its connection); once it runs again it counts
-    each of them once, and serves as before."""
+    """`server.decision_timeout_ms`: once the server has been refusing (here: headers
+    that took longer than the SLO to come), while the dispatch process is stopped
+    (SIGSTOP: a loop that falls behind, at its worst), the front ends answer infer
+    requests themselves once the time is up, 429 `work_ahead` (a chunked one too, which
+    the front end asks about from its app rather than its connection); once it runs
+    again it counts each of them once, and serves as before."""
     s = own
     try:
         assert _post(s, _infer_json())[0] == 200  # decided in time: served
+        late = []  # refused, at each front end in turn (the other stopped): its bound is on
+        fronts = _front_ends(s)
+        assert len(fronts) == 2
+        for stopped in fronts:
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                late += _late_headers(s, 10)
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+        assert all(status == 429 for status, _ in late)
+        late_undecided = sum("did not decide" in error for _, error in late)
         sent = 7
         os.kill(s.pid, signal.SIGSTOP)
         try:
@@ -445,20 +487,22 @@ def test_a_front_end_refuses_what_a_stalled_dispatch_process_has_not_decided(
             assert "did not decide on this request within 200 ms" in payload["error"]
             assert headers["server-timing"].startswith("total;dur=")
         assert _post(s, _infer_json())[0] == 200
+        undecided = sent + late_undecided
         deadline = time.monotonic() + 10
-        while _counter(s, "dstack_frontend_undecided_refusals_total") < sent:
+        while _counter(s, "dstack_frontend_undecided_refusals_total") < undecided:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         text = _get_text(s, "/metrics")
-        assert _counter(s, "dstack_frontend_undecided_refusals_total") == sent
+        assert _counter(s, "dstack_frontend_undecided_refusals_total") == undecided
+        refused = sent + len(late)
         header = histogram_counts(text, "dstack_refusal_seconds", model="tiny_cnn",
                                   stage="header")
-        assert sum(header.counts) == sent
+        assert sum(header.counts) == refused
         m = re.search(r'^dstack_request_refused_by_rule\{[^}]*rule="work_ahead"[^}]*\} (\S+)$',
                       text, re.M)
-        assert m is not None and float(m.group(1)) == sent
+        assert m is not None and float(m.group(1)) == refused
         stats = json.loads(_get_text(s, "/v2/models/tiny_cnn/stats"))
         inference = stats["model_stats"][0]["inference_stats"]
-        assert (inference["fail"]["count"], inference["success"]["count"]) == (sent, 2)
+        assert (inference["fail"]["count"], inference["success"]["count"]) == (refused, 2)
     finally:
         s.stop()

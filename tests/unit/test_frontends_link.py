@@ -15,7 +15,7 @@ from typing import Any
 
 from dstack.common.errors import DeadlineRefused, ModelNotFound
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
-from server.frontends import LinkHeaderCheck
+from server.frontends import DecisionBound, LinkHeaderCheck
 from server.link import (
     READ_BYTES,
     REPORT_S,
@@ -212,7 +212,8 @@ def _dispatch_end(admit: bool = True) -> tuple[_DispatchLink, _Record]:
     (`admit`) or refuses it for work ahead."""
     rec = _Record()
 
-    def refuse_early(model: str, hold: bool = False) -> int | None:
+    def refuse_early(model: str, since_s: float = 0.0, hold: bool = False) -> int | None:
+        rec.since_s.append(since_s)
         if model not in ("m",):
             raise ModelNotFound(f"no model {model}")
         if not admit:
@@ -242,6 +243,7 @@ class _Record:
         self.counted: list[tuple[str, str, int]] = []
         self.released: list[tuple[str, int | None]] = []
         self.failed: list[tuple[str, int, str | None, str, float]] = []
+        self.since_s: list[float] = []  # what each header was judged with
 
 
 def test_a_header_the_front_end_refused_undecided_is_given_back_and_counted_once() -> None:
@@ -278,9 +280,18 @@ def test_a_header_refused_in_time_and_answered_late_is_counted_once() -> None:
 
 
 def test_a_header_without_a_bound_is_decided_however_late() -> None:
-    end, rec = _dispatch_end()  # (asked by a front end without decision_timeout_ms)
+    end, rec = _dispatch_end()  # (asked by a front end without a bound at the time)
     end.on_frame({"k": "h", "i": 1, "m": "m", "t": time.monotonic() - 10}, b"")
     assert [m["k"] for m in rec.sent] == ["go"]
+
+
+def test_a_header_is_judged_from_its_first_byte() -> None:
+    """The dispatch process decides on a header as of the request's first byte at the front
+    end: one read 50 ms late (its loop behind) has 50 ms less of its SLO left."""
+    end, rec = _dispatch_end()
+    end.on_frame({"k": "h", "i": 1, "m": "m", "t": time.monotonic() - 0.05}, b"")
+    assert [m["k"] for m in rec.sent] == ["go"]
+    assert 0.05 <= rec.since_s[0] < 1
 
 
 class _AskingLink:
@@ -299,10 +310,18 @@ class _AskingLink:
         self.told.append(meta)
 
 
+def _refusing_bound(limit_s: float) -> DecisionBound:
+    """A `DecisionBound` of a front end whose server has been refusing: on."""
+    bound = DecisionBound(limit_s)
+    while bound.now() == 0:
+        bound.decided(True)
+    return bound
+
+
 def test_a_front_end_refuses_a_header_not_decided_in_time_and_says_so() -> None:
     link = _AskingLink()
     check = LinkHeaderCheck(link, max_body_bytes=1 << 20, allowed=None,  # type: ignore[arg-type]
-                            decide_s=0.02)
+                            bound=_refusing_bound(0.02))
     answers: dict[int, Any] = {}
 
     def scope(n: int) -> dict[str, Any]:
@@ -320,5 +339,55 @@ def test_a_front_end_refuses_a_header_not_decided_in_time_and_says_so() -> None:
         assert answers[2] is None  # went on to its body
         assert link.told == [{"k": "u", "i": 1, "m": "m", "t": link.told[0]["t"], "d": 0.02}]
         assert link.waiting == {}  # the dispatch process's late answer finds no one
+
+    asyncio.run(go())
+
+
+def test_a_front_end_bounds_the_decision_only_while_the_server_is_refusing() -> None:
+    """At normal load (few refusals) a header waits for its decision however long the
+    dispatch process takes; once a quarter of the recent decisions are refusals, it is
+    asked with the bound (`d`) and refused when that is up; the front end's own refusals
+    of headers not decided in time do not keep the bound on."""
+    link = _AskingLink()
+    bound = DecisionBound(0.02)
+    check = LinkHeaderCheck(link, max_body_bytes=1 << 20, allowed=None,  # type: ignore[arg-type]
+                            bound=bound)
+    answers: dict[int, Any] = {}
+    ids = itertools.count(100)
+
+    def ask(decision: str | None) -> int:
+        """One header, answered `go` or `no` by the dispatch process at once (None:
+        never); its id."""
+        n = next(ids)
+        scope = {RECEIVED_AT: time.monotonic(),
+                 ANSWER_LATER: lambda answer: answers.setdefault(n, answer) is answer}
+        assert check("/v2/models/m/infer", [], 100, scope) is LATER
+        i = max(link.waiting)
+        if decision is not None:
+            link.waiting.pop(i)({"k": decision, "i": i, "s": 429, "e": "full", "r": "work_ahead"},
+                                b"")
+        return n
+
+    async def go() -> None:
+        for _ in range(50):
+            ask("go")
+        for _ in range(5):  # one in 11 refused: normal load
+            ask("no")
+        slow = ask(None)
+        await asyncio.sleep(0.05)
+        assert slow not in answers and link.told == []  # still waiting, unbounded
+        link.waiting.clear()
+        for _ in range(10):  # now a quarter and more of the decisions are refusals
+            ask("no")
+        assert bound.now() == 0.02
+        undecided = [ask(None) for _ in range(30)]
+        await asyncio.sleep(0.05)
+        assert all(answers[n][0] == 429 for n in undecided)  # bounded, refused
+        assert [m["k"] for m in link.told] == ["u"] * 30
+        assert bound.now() == 0.02  # not fed by its own refusals: still on
+        for _ in range(30):  # the server takes requests again
+            ask("go")
+        assert bound.now() == 0
+        assert link.waiting == {}
 
     asyncio.run(go())
