@@ -250,15 +250,17 @@ def overload(args: argparse.Namespace) -> list[Row]:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
         for policy, n, ms in ((p, k, ms) for p in args.policies for k in args.frontends
-                              for ms in (args.decision_timeouts_ms if k > 1 else [0.0])):
+                              for ms in ((args.decision_timeouts_ms or [None]) if k > 1
+                                         else [None])):
             base, slos = mix(policy)
-            # server.frontends: n, server.decision_timeout_ms: ms
-            label = (policy if n == 1 else f"{policy}+{n}fe") + (f"+{ms:g}ms" if ms else "")
+            # server.frontends: n (1 said: a one-process server whatever `auto` would
+            # make of this host), server.decision_timeout_ms: ms (None: its default)
+            label = ((policy if n == 1 else f"{policy}+{n}fe")
+                     + (f"+{ms:g}ms" if ms is not None else ""))
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
-            # (1 said: a one-process server, whatever `auto` would make of this host)
             server = {**(front or {}), "frontends": n,
-                      **({"decision_timeout_ms": ms} if ms else {})}
+                      **({"decision_timeout_ms": ms} if ms is not None else {})}
             srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
                                                      top=args.top),
                                               OUT / f"overload-{label}.log"))
@@ -889,9 +891,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontends", type=int, nargs="+", default=[1],
                    help="overload, refusal-cost, accept-cost: each server once per value of "
                         "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
-    p.add_argument("--decision-timeouts-ms", type=float, nargs="+", default=[0.0],
+    p.add_argument("--decision-timeouts-ms", type=float, nargs="+", default=None,
                    help="overload: each server with front ends once per value of "
-                        "server.decision_timeout_ms (labelled +Xms; 0: none), side by side")
+                        "server.decision_timeout_ms (labelled +Xms; 0: none), side by side "
+                        "(default: the server's default, unlabelled)")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")
