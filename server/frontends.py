@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from dstack.common.config import load_config
+    from dstack.common.config import decision_timeout_s, load_config
     from dstack.common.pauses import freeze_startup_objects
     from dstack.common.slices import pin_threads
     from server.auth import BearerAuth, header_allows, load_token
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     app: ASGIApp = FrontEnd(link, s.max_body_bytes)
     app = BodyLimits(app, max_body_bytes=s.max_body_bytes, budget=SharedBodyBudget(
         s.body_budget_bytes, Path(args.budget), args.slot))
-    bound = DecisionBound(s.decision_timeout_ms / 1000)
+    bound = DecisionBound(decision_timeout_s(cfg))
     app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes, bound=bound)
     token = load_token(s)
     if token is not None:

@@ -269,7 +269,7 @@ def listen(host: str, port: int, cfg: ServerConfig, token: str | None) -> socket
         why = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise StartupError(f"cannot listen on {host}:{port}: {why}") from None
     _warn_if_exposed(sock.getsockname()[0], token)
-    if "decision_timeout_ms" in cfg.model_fields_set and cfg.frontends == 1:
+    if cfg.decision_timeout_ms is not None and cfg.frontends == 1:
         log.warning("server.decision_timeout_ms is for front ends (server.frontends > 1); "
                     "one process decides at the header itself, without it")
     _check_tls_files(cfg)  # before the slow imports: fail fast

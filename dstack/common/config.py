@@ -97,7 +97,7 @@ class ServerConfig(_Strict):
     For a host whose one server process is busier than its device (a GPU host under
     overload); on a machine with few cores they take the workers' cores. `auto`
     (`frontend_processes`): up to 4 on a CUDA device with cores to spare, else 1."""
-    decision_timeout_ms: Annotated[float, Field(ge=0)] = 3.0
+    decision_timeout_ms: Annotated[float, Field(ge=0)] | None = None
     """With `frontends` > 1, while the server is refusing (a quarter or more of a front
     end's recent header decisions were refusals: under overload): a front end answers an
     infer request's header itself (429 `work_ahead`, as the server's refusals for work
@@ -105,7 +105,10 @@ class ServerConfig(_Strict):
     first byte, as under overload it may not (its loop busy with the requests it took).
     Bounds how long a refusal at the header takes; a request so refused may have been one
     the server would have taken. At normal load a front end waits for the decision. 0: it
-    always waits."""
+    always waits. Default (`decision_timeout_s`): 3 on a CUDA device, 0 on a CPU device,
+    where the server's process shares the cores with the workers' compute and a request
+    not decided in time was more often one it would have taken (docs/reliability.md,
+    "Overload, thirty-second step")."""
     cores: tuple[int, ...] | None = Field(default=None, min_length=1)
     """CPU cores the server's own process runs on: reading, refusing and answering
     requests (with `frontends` > 1, the front ends run on the other cores this process
@@ -251,6 +254,20 @@ class DeployConfig(_Strict):
 #: `server.frontends: auto` runs at most this many front ends: what a lent H100 host with
 #: 16 cores was measured with (docs/frontends.md).
 AUTO_FRONTENDS_MAX = 4
+
+
+#: `server.decision_timeout_ms` on a CUDA device when the config does not say.
+CUDA_DECISION_TIMEOUT_MS = 3.0
+
+
+def decision_timeout_s(cfg: DeployConfig) -> float:
+    """The bound a front end puts on the decision about a header, in seconds (0: none):
+    `server.decision_timeout_ms`, or by default `CUDA_DECISION_TIMEOUT_MS` on a CUDA
+    device and none on a CPU device."""
+    ms = cfg.server.decision_timeout_ms
+    if ms is None:
+        ms = CUDA_DECISION_TIMEOUT_MS if cfg.device == DeviceKind.CUDA else 0.0
+    return ms / 1000
 
 
 def frontend_processes(cfg: DeployConfig, cores: int) -> int:

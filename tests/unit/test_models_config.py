@@ -13,6 +13,7 @@ import models
 from dstack.common.config import (
     ConfigError,
     PolicyName,
+    decision_timeout_s,
     frontend_processes,
     load_config,
     parse_config,
@@ -136,6 +137,19 @@ def test_frontends_auto_runs_front_ends_on_a_cuda_host_with_cores_to_spare(
     given = cfg.model_copy(update={"server": cfg.server.model_copy(update={"frontends": 3})})
     assert _with_frontends(given, cores).server.frontends == 3
     assert "auto" not in caplog.text
+
+
+def test_a_front_ends_bound_on_the_decision_defaults_by_device() -> None:
+    """`server.decision_timeout_ms` not given: 3 ms on a CUDA device, none on a CPU device
+    (where the server's process shares the cores with the workers' compute); a value
+    given, 0 included, is used on either."""
+    def bound_s(device: str, **server: float) -> float:
+        return decision_timeout_s(parse_config({
+            "device": device, "server": server, "models": [{"name": "tiny_cnn"}]}))
+
+    assert bound_s("cuda") == 0.003 and bound_s("cpu") == 0.0
+    assert bound_s("cuda", decision_timeout_ms=0) == 0.0
+    assert bound_s("cpu", decision_timeout_ms=5) == 0.005
 
 
 def test_served_spec_uses_the_configured_max_batch_and_user_shapes(tmp_path: Path) -> None:
