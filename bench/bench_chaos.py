@@ -594,7 +594,8 @@ def accept_cost(args: argparse.Namespace) -> list[Row]:
     """What an answered request costs the server's processes, the worker's compute aside:
     one model of next to no compute on the same 600 KB input (`pool_linear`,
     `bench.frontend_cost.RUNTIME_CONFIG`: policy `shared`, SLO 1 s), `--accept-requests`
-    one-item requests sent back to back on 8 kept-alive connections, every one answered.
+    one-item requests sent back to back on 8 kept-alive connections, every one answered
+    (`answered_per_s` under `per_s` says some were refused: their CPU is in the figures).
     With front ends (`--frontends`): how much of it the dispatch process still spends
     (`server_*`) and what the front ends spend (`frontends_us`)."""
     from bench.frontend_cost import RUNTIME_CONFIG
@@ -644,7 +645,8 @@ def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> R
         front1 = sum(sum(cl.cpu_user_sys_s(p)) for p in fronts)
         where = f", {frontends} front ends" if frontends > 1 else ""
         return row(f"{label}{where})", tally, srv.pid,
-                   per_s=tally.sent / wall, server_user_us=1e6 * (user1 - user0) / tally.sent,
+                   per_s=tally.sent / wall, answered_per_s=tally.accepted / wall,
+                   server_user_us=1e6 * (user1 - user0) / tally.sent,
                    server_kernel_us=1e6 * (sys1 - sys0) / tally.sent,
                    **({"frontends_us": 1e6 * (front1 - front0) / tally.sent} if fronts else {}))
 

@@ -73,7 +73,9 @@ class ServerConfig(_Strict):
     """Request bodies the server's process (each front end, with `frontends` > 1) reads at
     once, at most; fewer (down to 2) while bodies take longer than usual to come, which is
     what reading too many at once does to a busy process (dstack.runtime.reading). A
-    request over the limit is refused at its header (429 `work_ahead`), its body unread.
+    request over the limit is refused at its header (429 `work_ahead`), its body unread,
+    unless the server keeps up with its model and the model's SLO is `reading.SLO_TIMES`
+    (50) times what its slow bodies take (`ReadLimit.holds`).
     0: no limit."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still

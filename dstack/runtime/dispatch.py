@@ -773,7 +773,9 @@ class _Core:
             if slow_end:
                 finish = now + (finish - now) * st.margin
                 t.behind = True
+                # (no probe of a request that cannot even queue before its deadline)
                 if finish > t.deadline and 1 < cap and ahead + k <= cap and mates_s == 0 and (
+                        ready < t.deadline) and (
                         st.joinable or now - st.multi_at >= self.probe_s):
                     st.joinable = True  # a slope probe (module docstring)
                     return None

@@ -211,10 +211,11 @@ class Runtime:
         self.loop_late = Lateness()  # each tick of that timer, by how late it fired
         self._lag_watch: asyncio.Task[None] | None = None
         # Per model: how long from a request's first byte until its body had been read
-        # (`observe_body`): the last BODY_READS of them, their median (which a check before
-        # the body counts as still to come) and when the last was measured.
+        # (`observe_body`): the last BODY_READS of them; their median (which a check before
+        # the body counts as still to come), their slowest tenth's least (which the read
+        # limit compares with the model's SLO) and when the last was measured.
         self._body_reads: dict[str, deque[float]] = {}
-        self._body_s: dict[str, tuple[float, float]] = {}
+        self._body_s: dict[str, tuple[float, float, float]] = {}
         # How many bodies are read at once, at most (dstack.runtime.reading).
         server = cfg.server
         # (`dstack serve` gives the number of front ends `auto` comes to; anywhere else a
@@ -559,13 +560,20 @@ class Runtime:
         2,400 rps, four times a front end's capacity; docs/reliability.md, "Overload on
         an H100")."""
         self.check_admission(model)
-        if hold:
+        limit = self.read_limit if hold else None
+        if limit is not None:
             self._check_reading(model)
         body_rest_s = max(0.0, self.body_s(model) - since_s)
-        self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
-                         hold=hold)
-        if not hold or self.read_limit is None:
+        try:
+            self.check_batch(model, 1, since_s, body_rest_s + LAG_TURNS * self.loop_lag_s,
+                             hold=hold)
+        except DStackError:
+            if limit is not None:
+                limit.decided(model, True)
+            raise
+        if limit is None:
             return None
+        limit.decided(model, False)
         token = next(self._holds)
         self._reading[token] = now = self._clock()
         oldest = next(iter(self._reading))
@@ -576,17 +584,19 @@ class Runtime:
     def _check_reading(self, model: str) -> None:
         """Refuse a request for `model` at its header while as many bodies are being read
         (let through less than `reading.COUNTS_S` ago and not back) as the read limit
-        allows; counted as the dispatch core's refusals are."""
+        allows, unless the server keeps up with the model and its SLO dwarfs its slow
+        bodies' time (`ReadLimit.holds`); counted as the dispatch core's refusals are."""
         core, limit = self.core, self.read_limit
         if core is None or limit is None:
             return
         now = self._clock()
         reading = 0
         for at in reversed(self._reading.values()):
-            if at < now - READ_COUNTS_S or reading >= limit.limit:
+            if at < now - READ_COUNTS_S:
                 break
             reading += 1
-        if reading < limit.limit:
+        if reading < limit.limit or not limit.holds(
+                model, self.cfg.model(model).slo_ms / 1000, self.body_s(model, slow=True)):
             return
         core.count_refused(model, RefusalReason.WORK_AHEAD.value, 1)
         if self.replanner is not None:
@@ -599,14 +609,16 @@ class Runtime:
             + (f" per front end, {limit.readers} front ends" if limit.readers > 1 else "")
             + "); retry later")
 
-    def body_s(self, model: str) -> float:
+    def body_s(self, model: str, slow: bool = False) -> float:
         """How long `model`'s bodies take to read, from the first byte: the median of its
-        last `observe_body`s, faded by the time since the last (BODY_TAU_S)."""
+        last `observe_body`s (`slow`: the least of their slowest tenth), faded by the time
+        since the last (BODY_TAU_S)."""
         got = self._body_s.get(model)
         if got is None:
             return 0.0
-        median, at = got
-        return median * math.exp(-max(0.0, self._clock() - at) / BODY_TAU_S)
+        median, slowest_tenth, at = got
+        return (slowest_tenth if slow else median) * math.exp(
+            -max(0.0, self._clock() - at) / BODY_TAU_S)
 
     def observe_body(self, model: str, seconds: float) -> None:
         """A request for `model` had its whole body `seconds` after its first byte."""
@@ -614,7 +626,9 @@ class Runtime:
             self.read_limit.observe(model, seconds)
         reads = self._body_reads.setdefault(model, deque(maxlen=BODY_READS))
         reads.append(seconds)
-        self._body_s[model] = (sorted(reads)[len(reads) // 2], self._clock())
+        ordered = sorted(reads)
+        self._body_s[model] = (ordered[len(ordered) // 2], ordered[len(ordered) * 9 // 10],
+                               self._clock())
 
     def count_refused(self, model: str, rule: str, n: int) -> None:
         """`n` requests for `model` were refused by `rule` where a refusal of

@@ -214,6 +214,41 @@ def test_while_bodies_come_slower_than_usual_fewer_are_read_at_once() -> None:
     asyncio.run(main())
 
 
+def test_a_model_kept_up_with_whose_slo_dwarfs_its_bodies_is_not_held_to_the_read_limit() -> None:
+    """Bodies ten times slower than usual bring the limit to two. While they still take a
+    small part of the model's SLO (1.5 ms of 100 ms) and the server refuses none of its
+    requests, a third request is let through at its header all the same; a request is
+    refused there while its bodies take 20 ms, and while a third of its model's header
+    checks were refused."""
+    def bodies(rt: Runtime, seconds: float, n: int) -> None:
+        for _ in range(n):
+            rt.observe_body("tiny", seconds)
+
+    async def main() -> None:
+        async with _served_tiny() as (rt, http):
+            assert rt.read_limit is not None
+            bodies(rt, 0.00015, 50)
+            bodies(rt, 0.0015, 60)
+            assert rt.read_limit.limit == 2
+            held = [rt.refuse_early("tiny", hold=True) for _ in range(3)]
+            bodies(rt, 0.02, 40)
+            with pytest.raises(DeadlineRefused, match="reading 3 request bodies already"):
+                rt.refuse_early("tiny", hold=True)
+            # No body read for a second: what they take fades, and the three let through
+            # are no longer counted as being read (`reading.COUNTS_S`).
+            await asyncio.sleep(1.0)
+            held += [rt.refuse_early("tiny", hold=True) for _ in range(3)]
+            for _ in range(6):  # each one's deadline gone by at its header
+                with pytest.raises(DeadlineRefused, match="over its SLO"):
+                    rt.refuse_early("tiny", since_s=1.0, hold=True)
+            with pytest.raises(DeadlineRefused, match="reading 3 request bodies already"):
+                rt.refuse_early("tiny", hold=True)
+            for token in held:
+                rt.release("tiny", token)
+
+    asyncio.run(main())
+
+
 def test_no_limit_on_bodies_read_at_once_when_configured_off() -> None:
     cfg = parse_config({"server": {"max_body_reads": 0},
                         "models": [{"name": "tiny", "zoo_name": "tiny_cnn", "slo_ms": 100}]})

@@ -385,6 +385,17 @@ def test_refuse_early_answers_as_admit_would_without_queuing() -> None:
     assert core.queue_items(A) == 8 and core.refuse_early(B, 1, 0.0) is None
 
 
+def test_a_request_past_its_deadline_at_its_header_is_no_slope_probe() -> None:
+    """A slope probe lets a request through that the estimate would refuse, to re-measure
+    a bigger batch; one whose deadline went by before its header was read would only
+    expire in the queue: it is refused."""
+    core = core_for(estimates={A: trusted(0.04)})
+    assert isinstance(core.admit(A, 1, 2.0), Ticket)
+    assert core.refuse_early(A, 1, 2.0, since_s=0.09) is None  # the probe: in time, maybe
+    late = core.refuse_early(A, 1, 2.0, since_s=1.0)
+    assert isinstance(late, Refusal) and late.reason is RefusalReason.WORK_AHEAD
+
+
 def test_refuse_early_counts_the_time_before_and_after_the_header() -> None:
     """A batch takes 40 ms, the SLO is 100 ms, the model is idle. A request whose body
     took 70 ms to arrive, or whose JSON takes 70 ms more to parse, is refused before its

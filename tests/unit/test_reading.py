@@ -46,3 +46,16 @@ def test_each_reader_reads_its_share() -> None:
     assert lim.limit == 32
     assert fed(lim, (0.001, 100), (0.05, 100)) == FLOOR * 4
     assert ReadLimit(1).limit == 1  # a ceiling under the floor is the floor
+
+
+def test_a_model_is_held_to_the_limit_while_its_slo_is_short_or_its_requests_are_refused() -> None:
+    lim = ReadLimit(8)
+    assert not lim.holds("m", 1.0, 0.002)  # a 1 s SLO, slow bodies of 2 ms: 500 times
+    assert lim.holds("m", 0.05, 0.002)  # 50 ms: 25 times
+    for _ in range(6):
+        lim.decided("m", True)
+    assert lim.holds("m", 1.0, 0.002)
+    assert not lim.holds("other", 1.0, 0.002)
+    for _ in range(10):
+        lim.decided("m", False)
+    assert not lim.holds("m", 1.0, 0.002)
