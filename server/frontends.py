@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, Unavailable
 from dstack.common.pauses import Lateness, count_lateness
+from dstack.runtime.reading import RefusedShare
 from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
 from server.early import INFER_PATH, TooLate, checked_as_it_arrives
@@ -49,33 +50,25 @@ from server.link import (
 log = logging.getLogger("dstack.server")
 
 
-#: A front end bounds how long a header waits for its decision (`server.decision_timeout_ms`)
-#: only while the server is refusing: at least this share of the front end's recent
-#: header decisions were refusals (a running mean, each decision weighing
-#: `DECISIONS_WEIGHT`: about the last 20). Under overload that bound is what keeps a
-#: refusal fast when the deciding process's loop falls behind; at normal load a loop that
-#: falls behind now and then (a collection, a re-plan) only delays requests, as it would
-#: in one process, and refuses none.
-BOUND_WHILE_REFUSED = 0.25
-DECISIONS_WEIGHT = 0.05
-
-
 class DecisionBound:
     """`server.decision_timeout_ms` (`limit_s`) as a front end applies it: `now()`, the
-    bound on the decision about a header asked now (0: wait for it), `limit_s` while the
-    share of refusals among the decisions told to `decided` is `BOUND_WHILE_REFUSED` or
-    more (a decision the front end made itself, refusing a header not decided in time, is
-    not one of them: it cannot keep the bound on by itself)."""
+    bound on the decision about a header asked now (0: wait for it), `limit_s` only while
+    the server is refusing (`RefusedShare.refusing`, over the decisions told to `decided`;
+    a decision the front end made itself, refusing a header not decided in time, is not one
+    of them: it cannot keep the bound on by itself). Under overload that bound is what
+    keeps a refusal fast when the deciding process's loop falls behind; at normal load a
+    loop that falls behind now and then (a collection, a re-plan) only delays requests, as
+    it would in one process, and refuses none."""
 
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
-        self.refused_share = 0.0
+        self.refusals = RefusedShare()
 
     def decided(self, refused: bool) -> None:
-        self.refused_share += DECISIONS_WEIGHT * (refused - self.refused_share)
+        self.refusals.decided(refused)
 
     def now(self) -> float:
-        return self.limit_s if self.refused_share >= BOUND_WHILE_REFUSED else 0.0
+        return self.limit_s if self.refusals.refusing else 0.0
 
 
 class LinkHeaderCheck:

@@ -19,13 +19,13 @@ of the difference per body (a client network slower since). Where bodies come as
 with many at once (the device or the network is the bottleneck, not the reader), nothing
 slows them and the limit stays at its ceiling. A request over the limit is refused at its
 header (429 `work_ahead`), its body unread, by `Runtime.refuse_early`, unless the server
-keeps up with its model (under `HELD_WHILE_REFUSED` of the model's recent header checks
-refused) and the model's SLO is `SLO_TIMES` what its slow bodies take now: reading one
+keeps up with its model (`RefusedShare.refusing` is false for the model's header checks)
+and the model's SLO is `SLO_TIMES` what its slow bodies take now: reading one
 body more at once cannot cost such a request its deadline, and refusing it would only
 turn a load the server keeps up with into refusals (a model of 1 s SLO with 8 clients
 sending 600 KB bodies back to back on two cores had 68% of its requests refused so).
 
-Measured in docs/reliability.md, "Overload, twenty-seventh step"."""
+Measured in docs/reliability.md, "Overload, twenty-seventh step" and "thirty-third step"."""
 
 from __future__ import annotations
 
@@ -43,10 +43,12 @@ USUAL_RISE = 0.001
 #: two-core stand-in for a GPU host (SLOs of 20 and 50 ms, 600 KB bodies taking 1-15 ms
 #: under overload) every request stays held to it.
 SLO_TIMES = 50
-#: ... or while this share or more of its model's recent header checks (a running mean,
-#: each weighing DECISIONS_WEIGHT) were refused: in the issue's CPU layout at 4x, a 250 ms
-#: model let past the limit took the cores of the 60 ms model that shares them.
-HELD_WHILE_REFUSED = 0.25
+#: ... or while its model's header checks are being refused (`RefusedShare.refusing`): in
+#: the issue's CPU layout at 4x, a 250 ms model let past the limit took the cores of the
+#: 60 ms model that shares them.
+#: The server is refusing while this share or more of its recent decisions were refusals
+#: (a running mean, each decision weighing DECISIONS_WEIGHT: about the last 20).
+REFUSING_SHARE = 0.25
 DECISIONS_WEIGHT = 0.05
 #: A body still being read this long after its header counts no more toward the limit: a
 #: slow or stalled upload waits on its client, not on the reader (and cannot keep others
@@ -54,6 +56,23 @@ DECISIONS_WEIGHT = 0.05
 COUNTS_S = 0.05
 #: A request let through and never said to be back (a bug) is forgotten after this long.
 KEPT_S = 600.0
+
+
+class RefusedShare:
+    """The share of refusals among recent decisions (the read limit's, per model; a front
+    end's bound on a decision, `server.frontends.DecisionBound`)."""
+
+    __slots__ = ("share",)
+
+    def __init__(self) -> None:
+        self.share = 0.0
+
+    def decided(self, refused: bool) -> None:
+        self.share += DECISIONS_WEIGHT * (refused - self.share)
+
+    @property
+    def refusing(self) -> bool:
+        return self.share >= REFUSING_SHARE
 
 
 class ReadLimit:
@@ -65,7 +84,7 @@ class ReadLimit:
         self.readers = readers
         self.each = float(ceiling)  # per reader
         self._usual: dict[str, float] = {}
-        self._refused: dict[str, float] = {}  # the share of each model's header checks
+        self._refused: dict[str, RefusedShare] = {}  # of each model's header checks
 
     @property
     def limit(self) -> int:
@@ -86,11 +105,13 @@ class ReadLimit:
 
     def decided(self, model: str, refused: bool) -> None:
         """A header check of a request for `model` refused it, or let it through."""
-        share = self._refused.get(model, 0.0)
-        self._refused[model] = share + DECISIONS_WEIGHT * (refused - share)
+        share = self._refused.get(model)
+        if share is None:
+            share = self._refused[model] = RefusedShare()
+        share.decided(refused)
 
     def holds(self, model: str, slo_s: float, slow_body_s: float) -> bool:
         """Whether a request for `model` (of SLO `slo_s`, whose slow bodies take
         `slow_body_s`) is held to the limit."""
-        return (self._refused.get(model, 0.0) >= HELD_WHILE_REFUSED
-                or slo_s < SLO_TIMES * slow_body_s)
+        share = self._refused.get(model)
+        return (share is not None and share.refusing) or slo_s < SLO_TIMES * slow_body_s
