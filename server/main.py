@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import uvicorn
 from fastapi import FastAPI
@@ -36,6 +36,9 @@ from server.connection import raise_fd_limit, server_config
 from server.early import EarlyRefusal, HeaderRefusal
 from server.limits import BodyBudget, BodyLimits
 from server.memory import steady_server_heap
+
+if TYPE_CHECKING:
+    from dstack.runtime.serving import Runtime
 
 log = logging.getLogger("dstack.server")
 
@@ -295,7 +298,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         from dstack.runtime.serving import Runtime  # heavy (torch)
 
         runtime = Runtime(cfg)  # checks every model against the zoo
-        _pin_front_end(cfg.server)  # after Runtime: its workers start on the cores of before
+        _pin_front_end(cfg.server, runtime)  # after Runtime: its workers start on the cores before
         scheme = "https" if cfg.server.tls_certfile else "http"
         shown = f"[{at}]" if ":" in at else at
         names = ", ".join(m.name for m in cfg.models)
@@ -341,8 +344,9 @@ def _check_tls_files(cfg: ServerConfig) -> None:
         raise StartupError(f"cannot load server.tls_certfile / tls_keyfile: {e}") from None
 
 
-def _pin_front_end(cfg: ServerConfig) -> None:
-    if cfg.cores is None:
+def _pin_front_end(cfg: ServerConfig, runtime: Runtime) -> None:
+    if cfg.cores is None:  # where each plan's workers leave it
+        runtime.on_plan = _QuietCores(available_cores())
         return
     have = available_cores()
     missing = sorted(set(cfg.cores) - set(have))
@@ -351,6 +355,23 @@ def _pin_front_end(cfg: ServerConfig) -> None:
                            f"({list(have)})")
     pin_threads(cfg.cores)
     log.info("the server's own process on cores %s", sorted(set(cfg.cores)))
+
+
+class _QuietCores:
+    """`server.cores` unset: keeps this process (and the front ends it starts, which
+    inherit its cores) on the cores where it costs the plan's workers least
+    (`Runtime.quiet_cores`), moving it when a re-plan moves them."""
+
+    def __init__(self, host: tuple[int, ...]) -> None:
+        self.cores = host
+
+    def __call__(self, cores: tuple[int, ...]) -> None:
+        if cores == self.cores:
+            return
+        pin_threads(cores)
+        self.cores = cores
+        log.info("the server's own process on cores %s: those the plan's workers leave free "
+                 "or whose models have the longest SLO (server.cores unset)", list(cores))
 
 
 def _warn_if_exposed(address: str, token: str | None) -> None:

@@ -114,10 +114,13 @@ class ServerConfig(_Strict):
     cores: tuple[int, ...] | None = Field(default=None, min_length=1)
     """CPU cores the server's own process runs on: reading, refusing and answering
     requests (with `frontends` > 1, the front ends run on the other cores this process
-    could use), and dispatch. Default: wherever the kernel puts it, which on cores the
-    workers compute on pre-empts their batches (`worker_nice`). On a host with cores to
-    spare, give it one the workers' `cores:` leave out. The workers start on the cores the
-    server had before it confined itself to these."""
+    could use), and dispatch. Default: the cores each plan's workers leave free, or, where
+    their slices take every core, those of the slice whose models' tightest SLO is the
+    longest (`dstack.common.slices.quiet_cores`; moved with a re-plan; front ends share
+    them), as on cores the workers compute on it pre-empts their batches (`worker_nice`);
+    anywhere on a GPU. On a host with cores to spare, give it one the workers' `cores:`
+    leave out. The workers start on the cores the server had before it confined itself to
+    these."""
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:

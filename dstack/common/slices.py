@@ -87,6 +87,26 @@ def pin_threads(cores: tuple[int, ...]) -> None:
             pass
 
 
+def quiet_cores(slices: Mapping[str, SliceSpec], slo_s: Mapping[str, float],
+                host: tuple[int, ...]) -> tuple[int, ...]:
+    """The cores of `host` where a process beside the workers of `slices` (the server's own:
+    reading, refusing and answering requests, dispatch) costs their SLOs least: those no
+    slice names, if any; else those whose tightest SLO (`slo_s`, of the models whose
+    slices name the core) is the longest. On a core it shares, the process pre-empts the
+    worker's batch (the workers run nicer); a few ms taken from a 250 ms SLO's batch cost
+    it nothing, from a 60 ms SLO's they make it late. `host` itself where the slices name
+    no cores (a GPU's)."""
+    tightest: dict[int, float] = {}
+    for model, s in slices.items():
+        for c in s.units:
+            tightest[c] = min(tightest.get(c, math.inf), slo_s[model])
+    spare = tuple(c for c in host if c not in tightest)
+    if spare or not tightest:
+        return spare or host
+    longest = max(tightest.get(c, -math.inf) for c in host)
+    return tuple(c for c in host if tightest.get(c) == longest)
+
+
 class CpuSlices:
     """Slices of a CPU as disjoint core sets."""
 

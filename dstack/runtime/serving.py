@@ -38,7 +38,14 @@ from dstack.common.errors import (
     Unavailable,
 )
 from dstack.common.pauses import Lateness
-from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend, SliceSpec
+from dstack.common.slices import (
+    CpuSlices,
+    MpsSlices,
+    SliceBackend,
+    SliceSpec,
+    available_cores,
+    quiet_cores,
+)
 from dstack.common.types import ModelSpec, Plan, Schedule
 from dstack.policies.contract import Policy
 from dstack.policies.latency import LinearLatency
@@ -227,6 +234,11 @@ class Runtime:
         # token `refuse_early` gave it (oldest first), until `release`.
         self._reading: dict[int, float] = {}
         self._holds = itertools.count(1)
+        # Told the cores where the server's own process costs the workers least
+        # (`quiet_cores`) each time a plan's workers are in place: at start, after a
+        # re-plan, a load or an unload (`dstack serve` keeps its process there).
+        self.on_plan: Callable[[tuple[int, ...]], None] | None = None
+        self._host_cores = available_cores()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -256,6 +268,7 @@ class Runtime:
              for m in self.setup.run_cfg.models],
             policy, estimates, now=self._clock(),  # the cycle starts as serving starts
             groups=replica_groups(self.setup.replicas))
+        self._placed()
         if policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
             self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
                                        self.setup)
@@ -417,7 +430,19 @@ class Runtime:
         self.setup = setup
         if self.replanner is not None:
             self.replanner.models_changed(cfg, setup)
+        self._placed()
         self._wake.set()
+
+    def quiet_cores(self) -> tuple[int, ...]:
+        """The cores where the server's own process costs the plan's workers least
+        (`dstack.common.slices.quiet_cores`); all of them on a GPU."""
+        assert self.setup is not None
+        slo_s = {m.name: m.slo_ms / 1000 for m in self.setup.run_cfg.models}
+        return quiet_cores(self.setup.policy.slices(), slo_s, self._host_cores)
+
+    def _placed(self) -> None:
+        if self.on_plan is not None:
+            self.on_plan(self.quiet_cores())
 
     def is_ready(self) -> bool:
         return self._ready and all(self.is_model_ready(m) for m in self.specs)
@@ -882,6 +907,7 @@ class Runtime:
             await self.supervisor.switch(shadows, core.running)
             core.set_policy(setup.policy, self._clock(), setup.estimates)
             self.setup = setup
+            self._placed()
             self._wake.set()
 
 

@@ -248,8 +248,11 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
 
     async def main() -> None:
         rt = Runtime(cfg)
+        placed: list[tuple[int, ...]] = []  # where `dstack serve` keeps its own process
+        rt.on_plan = placed.append
         await rt.start()
         try:
+            assert placed == [rt.quiet_cores()]
             slice_before = rt.current_slice("tiny_a")
             batch_before = rt.plan().for_model("tiny_a").batch  # type: ignore[union-attr]
             tasks = []
@@ -270,6 +273,8 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
             now_slice = rt.current_slice("tiny_a")
             assert now_slice != slice_before or after.batch > batch_before
             assert now_slice is not None and now_slice.percent == after.percent
+            # and the server's process is told where the new plan's workers leave it room
+            assert len(placed) >= 1 + rt.replans and placed[-1] == rt.quiet_cores()
         finally:
             await rt.stop()
 
