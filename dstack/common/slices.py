@@ -93,9 +93,9 @@ def quiet_cores(slices: Mapping[str, SliceSpec], slo_s: Mapping[str, float],
     reading, refusing and answering requests, dispatch) costs their SLOs least: those no
     slice names, if any; else those whose tightest SLO (`slo_s`, of the models whose
     slices name the core) is the longest. On a core it shares, the process pre-empts the
-    worker's batch (the workers run nicer); a few ms taken from a 250 ms SLO's batch cost
-    it nothing, from a 60 ms SLO's they make it late. `host` itself where the slices name
-    no cores (a GPU's)."""
+    worker's batch (the workers run nicer): a few ms taken from a batch under a 250 ms
+    SLO cost its worker throughput, from one under a 60 ms SLO they make its answers late.
+    `host` itself where the slices name no cores (a GPU's)."""
     tightest: dict[int, float] = {}
     for model, s in slices.items():
         for c in s.units:
