@@ -116,11 +116,11 @@ class ServerConfig(_Strict):
     requests (with `frontends` > 1, the front ends run on the other cores this process
     could use), and dispatch. Default: the cores each plan's workers leave free, or, where
     their slices take every core, those of the slice whose models' tightest SLO is the
-    longest (`dstack.common.slices.quiet_cores`; moved with a re-plan; front ends share
-    them), as on cores the workers compute on it pre-empts their batches (`worker_nice`);
-    anywhere on a GPU. On a host with cores to spare, give it one the workers' `cores:`
-    leave out. The workers start on the cores the server had before it confined itself to
-    these."""
+    longest (`dstack.common.slices.quiet_cores`; moved with a re-plan; the front ends it
+    starts share those of the first plan), as on cores the workers compute on it
+    pre-empts their batches (`worker_nice`); anywhere on a GPU. On a host with cores to
+    spare, give it one the workers' `cores:` leave out. The workers start on the cores the
+    server had before it confined itself to these."""
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
