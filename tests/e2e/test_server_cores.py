@@ -1,6 +1,7 @@
-"""Where a real `dstack serve` puts its own process when `server.cores` is unset: beside the
-worker of the model with the longest SLO, off the core of the one whose SLO is tight
-(docs/reliability.md, "Overload, thirty-fourth step")."""
+"""Where a real `dstack serve` puts its own process when `server.cores` is unset: on the
+cores its workers leave free, else beside the worker of the model with the longest SLO,
+off the core of the one whose SLO is tight (docs/reliability.md, "Overload, thirty-fourth
+step")."""
 
 from __future__ import annotations
 
@@ -40,5 +41,18 @@ def test_unpinned_the_server_runs_on_the_core_of_the_longest_slo(tmp_path: Path)
         assert f"the server's own process on cores {sorted(loose)}" in srv.text()
         with urllib.request.urlopen(f"http://{srv.url}/v2/health/ready", timeout=10) as r:
             assert r.status == 200
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_unpinned_the_server_runs_on_the_cores_its_workers_leave_free(tmp_path: Path) -> None:
+    first, *rest = sorted(os.sched_getaffinity(0))
+    srv = launch({"policy": "shared", "cores": [first],
+                  "models": [{"name": "tiny_cnn", "slo_ms": 200, "max_batch_size": 8}]},
+                 tmp_path)
+    try:
+        wait_ready(srv)
+        assert _affinity(srv.pid) == {frozenset(rest)}, srv.text()
     finally:
         srv.stop()
