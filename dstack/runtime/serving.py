@@ -441,8 +441,13 @@ class Runtime:
         return quiet_cores(self.setup.policy.slices(), slo_s, self._host_cores)
 
     def _placed(self) -> None:
-        if self.on_plan is not None:
-            self.on_plan(self.quiet_cores())
+        if self.on_plan is None:
+            return
+        cores = self.quiet_cores()
+        try:
+            self.on_plan(cores)
+        except OSError as e:  # a core taken offline since start-up: serving goes on
+            log.warning("could not move the server's process to cores %s: %s", list(cores), e)
 
     def is_ready(self) -> bool:
         return self._ready and all(self.is_model_ready(m) for m in self.specs)

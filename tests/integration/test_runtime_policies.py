@@ -281,6 +281,30 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
     asyncio.run(main())
 
 
+def test_a_server_process_that_cannot_be_moved_keeps_serving(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`dstack serve` moves its process to each plan's `quiet_cores`; a move the kernel
+    refuses (a core taken offline since start-up) is logged, and serving goes on."""
+    write_cpu_profiles(tmp_path)
+    cfg = parse_config(config("spatial", tmp_path))
+    x = np.zeros((1, 3, 32, 32), np.float32)
+
+    def refuse(cores: tuple[int, ...]) -> None:
+        raise OSError(22, "Invalid argument")
+
+    async def main() -> None:
+        rt = Runtime(cfg)
+        rt.on_plan = refuse
+        await rt.start()
+        try:
+            assert (await rt.infer("tiny_a", {"input": x}))["output"].shape == (1, 10)
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
+    assert "could not move the server's process" in caplog.text
+
+
 def test_a_too_slow_latency_estimate_cannot_lock_a_model_out() -> None:
     """An estimate that says every request is hopeless (a warm-up on a busy machine, say)
     refuses at first, but an idle model lets a probe through and the estimate corrects."""
