@@ -43,11 +43,10 @@ USUAL_RISE = 0.001
 #: two-core stand-in for a GPU host (SLOs of 20 and 50 ms, 600 KB bodies taking 1-15 ms
 #: under overload) every request stays held to it.
 SLO_TIMES = 50
-#: ... or while its model's header checks are being refused (`RefusedShare.refusing`): in
-#: the issue's CPU layout at 4x, a 250 ms model let past the limit took the cores of the
-#: 60 ms model that shares them.
-#: The server is refusing while this share or more of its recent decisions were refusals
-#: (a running mean, each decision weighing DECISIONS_WEIGHT: about the last 20).
+#: ... or while its model's header checks are being refused (`RefusedShare.refusing`: this
+#: share or more of its recent decisions were refusals, a running mean, each decision
+#: weighing DECISIONS_WEIGHT: about the last 20). In the issue's CPU layout at 4x, a 250 ms
+#: model let past the limit took the cores of the 60 ms model that shares them.
 REFUSING_SHARE = 0.25
 DECISIONS_WEIGHT = 0.05
 #: A body still being read this long after its header counts no more toward the limit: a
