@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, frontend_processes, load_config
-from dstack.common.pauses import freeze_startup_objects
+from dstack.common.pauses import freeze_startup_objects, prompt_gil_handoffs
 from dstack.common.slices import available_cores, pin_threads
 from server.app import MODEL_VERSION, create_app
 from server.auth import BearerAuth, header_allows, load_token
@@ -227,7 +227,9 @@ def run_until_stopped(prepare: Callable[[], tuple[Runnable, socket.socket]],
     from the start (before "ready" a stop is acted on when start-up gets there; after it,
     both drain), `prepare()` builds the server and its socket, and `run` serves until
     stopped. Returns the exit code: 0 after a clean shutdown ("NAME stopped" logged), 2
-    with one line on stderr when serving could not start."""
+    with one line on stderr when serving could not start. A thread of the process (a
+    re-plan) hands the GIL back to the event loop within a ms (`prompt_gil_handoffs`)."""
+    prompt_gil_handoffs()
     stop_signals: list[int] = []
 
     def remember(sig: int, _: FrameType | None) -> None:

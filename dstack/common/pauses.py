@@ -1,4 +1,5 @@
-"""Keep CPython's garbage collector from walking a serving process's start-up objects.
+"""Keep CPython's garbage collector from walking a serving process's start-up objects, and
+a thread of the process from holding the event loop's GIL for 5 ms at a time.
 
 A process that has imported torch, numpy and the server holds about 370,000 objects that
 live until it exits, and CPython's full collection (generation 2) walks every one of them:
@@ -15,6 +16,18 @@ The server calls it when its workers are up, just before it says ready; each wor
 its warm-up, just before it reports ready; the benchmark's load generators before each
 measured window, so that their own pauses are not counted as the server's.
 
+A thread of a serving process that runs Python (the re-planner's solve, `asyncio.to_thread`)
+competes with the event loop's thread for the GIL, and CPython hands it over only when the
+thread that waits has waited its switch interval, 5 ms by default. Under load the loop's
+thread takes the GIL back each time it leaves the kernel, so the other thread gets it
+only after waiting 5 ms, and the loop's thread then waits as long for it back: a re-plan
+of 5-8 ms of Python beside a loop busy 80% of the time took 8.5-62 s (a plan that long
+out of date), and each time it got the GIL it held the loop 5-8 ms. At
+`SWITCH_INTERVAL_S` the same re-plans took 15-25 ms and the loop was at most 0.6 ms late
+(`python -m bench.gil_handoff`; docs/reliability.md, "Overload, thirty-fifth step").
+`dstack serve` sets it (`prompt_gil_handoffs`). The interval matters only while two
+threads want the GIL: with one running thread, nothing switches.
+
 `Lateness` counts what pauses are left, as an event loop's periodic timer sees them: the
 server's (`Runtime.loop_late`, /metrics `dstack_event_loop_late_seconds`) and the
 benchmark's load generators' (`bench.chaos_load.open_loop`), so that a slow answer can be
@@ -26,8 +39,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import gc
+import sys
 import time
 
+#: How long a thread that holds the GIL keeps it while another thread waits for it, in a
+#: serving process (CPython's default: 5 ms).
+SWITCH_INTERVAL_S = 0.0005
 #: The bounds, in seconds, a timer's lateness is counted under (`Lateness`).
 LATE_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
@@ -90,6 +107,11 @@ class Lateness:
                 f"{self.over(0.02)} of {self.count} ticks, worst "
                 + (f"<= {1000 * worst:g} ms" if worst != float("inf") else
                    f"> {1000 * LATE_BOUNDS_S[-1]:g} ms"))
+
+
+def prompt_gil_handoffs() -> None:
+    """Hand the GIL to a waiting thread within `SWITCH_INTERVAL_S` (module docstring)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def freeze_startup_objects() -> int:
