@@ -25,8 +25,8 @@ of 5-8 ms of Python beside a loop busy 80% of the time took 8.5-62 s (a plan tha
 out of date), and each time it got the GIL it held the loop 5-8 ms. At
 `SWITCH_INTERVAL_S` the same re-plans took 15-25 ms and the loop was at most 0.6 ms late
 (`python -m bench.gil_handoff`; docs/reliability.md, "Overload, thirty-fifth step").
-`dstack serve` sets it (`prompt_gil_handoffs`). The interval matters only while two
-threads want the GIL: with one running thread, nothing switches.
+`dstack serve` and `dstack cluster serve` set it (`prompt_gil_handoffs`). The interval
+matters only while two threads want the GIL: with one running thread, nothing switches.
 
 `Lateness` counts what pauses are left, as an event loop's periodic timer sees them: the
 server's (`Runtime.loop_late`, /metrics `dstack_event_loop_late_seconds`) and the

@@ -1,7 +1,7 @@
 """dstack.common.pauses: after start-up, a full garbage collection no longer walks the
 objects of torch, numpy and the server (150 ms here), and still frees the cycles made
-later; and a thread running Python beside a busy event loop (a re-plan) gets its turns
-and gives them back within a ms or so."""
+later; and a thread running Python beside a busy event loop (a re-plan) is not starved
+by it."""
 
 from __future__ import annotations
 
