@@ -249,18 +249,23 @@ def overload(args: argparse.Namespace) -> list[Row]:
     with ExitStack() as stack:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
-        for policy, n, ms in ((p, k, ms) for p in args.policies for k in args.frontends
-                              for ms in ((args.decision_timeouts_ms or [None]) if k > 1
-                                         else [None])):
+        for policy, n, ms, gil in ((p, k, ms, gil) for p in args.policies
+                                   for k in args.frontends
+                                   for ms in ((args.decision_timeouts_ms or [None]) if k > 1
+                                              else [None])
+                                   for gil in args.switch_intervals_ms or [None]):
             base, slos = mix(policy)
             # server.frontends: n (1 said: a one-process server whatever `auto` would
-            # make of this host), server.decision_timeout_ms: ms (None: its default)
+            # make of this host), server.decision_timeout_ms: ms, server.switch_interval_ms:
+            # gil (None: their defaults)
             label = ((policy if n == 1 else f"{policy}+{n}fe")
-                     + (f"+{ms:g}ms" if ms is not None else ""))
+                     + (f"+{ms:g}ms" if ms is not None else "")
+                     + (f"+gil{gil:g}ms" if gil is not None else ""))
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
             server = {**(front or {}), "frontends": n,
-                      **({"decision_timeout_ms": ms} if ms is not None else {})}
+                      **({"decision_timeout_ms": ms} if ms is not None else {}),
+                      **({"switch_interval_ms": gil} if gil is not None else {})}
             srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
                                                      top=args.top),
                                               OUT / f"overload-{label}.log"))
@@ -897,6 +902,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="overload: each server with front ends once per value of "
                         "server.decision_timeout_ms (labelled +Xms; 0: none), side by side "
                         "(default: the server's default, unlabelled)")
+    p.add_argument("--switch-intervals-ms", type=float, nargs="+", default=None,
+                   help="overload: each server once per value of server.switch_interval_ms "
+                        "(the GIL's switch interval in its process; labelled +gilXms), side "
+                        "by side (default: the server's default, unlabelled)")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")

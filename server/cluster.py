@@ -159,6 +159,7 @@ def serve_cluster(cfg: ClusterConfig, *, host: str | None = None, port: int | No
     loopback_ray_env(cfg)  # before Ray is imported
     from dstack.cluster.planning import ClusterPlanner
     from dstack.cluster.serving import RayDeployer, start_ray, stop_ray
+    from dstack.common.pauses import prompt_gil_handoffs
     from server.auth import load_token
     from server.connection import server_config
     from server.main import _Serving, listen, run_until_stopped
@@ -171,6 +172,7 @@ def serve_cluster(cfg: ClusterConfig, *, host: str | None = None, port: int | No
         nonlocal ray_started
         at = host or cfg.server.host
         token = load_token(cfg.server)
+        prompt_gil_handoffs(cfg.server.switch_interval_ms / 1000)
         sock = listen(at, cfg.server.port if port is None else port, cfg.server, token)
         start_ray(cfg)
         ray_started = True

@@ -227,9 +227,7 @@ def run_until_stopped(prepare: Callable[[], tuple[Runnable, socket.socket]],
     from the start (before "ready" a stop is acted on when start-up gets there; after it,
     both drain), `prepare()` builds the server and its socket, and `run` serves until
     stopped. Returns the exit code: 0 after a clean shutdown ("NAME stopped" logged), 2
-    with one line on stderr when serving could not start. A thread of the process (a
-    re-plan) hands the GIL back to the event loop within a ms (`prompt_gil_handoffs`)."""
-    prompt_gil_handoffs()
+    with one line on stderr when serving could not start."""
     stop_signals: list[int] = []
 
     def remember(sig: int, _: FrameType | None) -> None:
@@ -294,6 +292,7 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
         at = host if host is not None else cfg.server.host
         token = load_token(cfg.server)
         steady_server_heap()
+        prompt_gil_handoffs(cfg.server.switch_interval_ms / 1000)
         sock = listen(at, port if port is not None else cfg.server.port, cfg.server, token)
         bound_port = sock.getsockname()[1]
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dstack.common.pauses import SWITCH_INTERVAL_S
 from dstack.common.types import ModelSLO, Priority
 
 
@@ -111,6 +112,11 @@ class ServerConfig(_Strict):
     where the server's process shares the cores with the workers' compute and a request
     not decided in time was more often one it would have taken (docs/reliability.md,
     "Overload, thirty-second step")."""
+    switch_interval_ms: Annotated[float, Field(gt=0, le=100)] = 1000 * SWITCH_INTERVAL_S
+    """How long a thread of the server's process that runs Python (a re-plan's solve, a
+    model's load) keeps the GIL while the event loop waits for it: CPython's switch
+    interval, 5 by default there. At 5 a re-plan beside a busy loop was starved for
+    seconds and held the loop 5-8 ms each time it ran (`dstack.common.pauses`)."""
     cores: tuple[int, ...] | None = Field(default=None, min_length=1)
     """CPU cores the server's own process runs on: reading, refusing and answering
     requests (with `frontends` > 1, the front ends run on the other cores this process

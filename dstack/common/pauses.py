@@ -25,8 +25,9 @@ of 5-8 ms of Python beside a loop busy 80% of the time took 8.5-62 s (a plan tha
 out of date), and each time it got the GIL it held the loop 5-8 ms. At
 `SWITCH_INTERVAL_S` the same re-plans took 15-25 ms and the loop was at most 0.6 ms late
 (`python -m bench.gil_handoff`; docs/reliability.md, "Overload, thirty-fifth step").
-`dstack serve` and `dstack cluster serve` set it (`prompt_gil_handoffs`). The interval
-matters only while two threads want the GIL: with one running thread, nothing switches.
+`dstack serve` and `dstack cluster serve` set it (`prompt_gil_handoffs`,
+`server.switch_interval_ms`). The interval matters only while two threads want the GIL:
+with one running thread, nothing switches.
 
 `Lateness` counts what pauses are left, as an event loop's periodic timer sees them: the
 server's (`Runtime.loop_late`, /metrics `dstack_event_loop_late_seconds`) and the
@@ -43,7 +44,7 @@ import sys
 import time
 
 #: How long a thread that holds the GIL keeps it while another thread waits for it, in a
-#: serving process (CPython's default: 5 ms).
+#: serving process (`server.switch_interval_ms`; CPython's default: 5 ms).
 SWITCH_INTERVAL_S = 0.0005
 #: The bounds, in seconds, a timer's lateness is counted under (`Lateness`).
 LATE_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -109,9 +110,9 @@ class Lateness:
                    f"> {1000 * LATE_BOUNDS_S[-1]:g} ms"))
 
 
-def prompt_gil_handoffs() -> None:
-    """Hand the GIL to a waiting thread within `SWITCH_INTERVAL_S` (module docstring)."""
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+def prompt_gil_handoffs(interval_s: float = SWITCH_INTERVAL_S) -> None:
+    """Hand the GIL to a waiting thread within `interval_s` (module docstring)."""
+    sys.setswitchinterval(interval_s)
 
 
 def freeze_startup_objects() -> int:

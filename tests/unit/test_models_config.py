@@ -152,6 +152,16 @@ def test_a_front_ends_bound_on_the_decision_defaults_by_device() -> None:
     assert bound_s("cpu", decision_timeout_ms=5) == 0.005
 
 
+def test_the_gil_switch_interval_defaults_to_half_a_ms_and_must_be_positive() -> None:
+    def server(**s: float) -> dict:
+        return {"server": s, "models": [{"name": "tiny_cnn"}]}
+
+    assert parse_config(server()).server.switch_interval_ms == 0.5
+    assert parse_config(server(switch_interval_ms=5)).server.switch_interval_ms == 5
+    with pytest.raises(ConfigError, match="switch_interval_ms"):
+        parse_config(server(switch_interval_ms=0))
+
+
 def test_served_spec_uses_the_configured_max_batch_and_user_shapes(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, (
         "models:\n  - name: r\n    zoo_name: resnet18\n    max_batch_size: 3\n"
