@@ -31,7 +31,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, Unavailable
-from dstack.common.pauses import Lateness, count_lateness
+from dstack.common.pauses import Lateness, count_lateness, prompt_gil_handoffs
 from dstack.runtime.reading import RefusedShare
 from server.app import read_body
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the dispatch process says when to stop
     steady_server_heap()  # malloc's thresholds as `dstack serve` fixes them for itself
     cfg = load_config(args.config)
+    prompt_gil_handoffs(cfg.server.switch_interval_ms / 1000)  # as the dispatch process
     logging.basicConfig(level=cfg.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cores:
