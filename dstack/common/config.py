@@ -115,8 +115,8 @@ class ServerConfig(_Strict):
     switch_interval_ms: Annotated[float, Field(gt=0, le=100)] = 1000 * SWITCH_INTERVAL_S
     """How long a thread of the server's processes (front ends included) that runs Python
     (a re-plan's solve, a model's load) keeps the GIL while the event loop waits for it:
-    CPython's switch interval, 5 by default there. At 5 a re-plan beside a busy loop was starved for
-    seconds and held the loop 5-8 ms each time it ran (`dstack.common.pauses`)."""
+    CPython's switch interval, 5 by default there. At 5 a re-plan beside a busy loop was
+    starved for seconds and held the loop 5-8 ms each time it ran (`dstack.common.pauses`)."""
     cores: tuple[int, ...] | None = Field(default=None, min_length=1)
     """CPU cores the server's own process runs on: reading, refusing and answering
     requests (with `frontends` > 1, the front ends run on the other cores this process
