@@ -27,6 +27,13 @@ through the parser as before.) So that little of such a body leaves the kernel b
 its header has been checked, the event loop reads a connection a header's worth at a time
 while it waits for a header (`SizedReads`).
 
+A client that sends `Expect: 100-continue` (curl does for bodies over 1 MiB) waits for the
+server's go-ahead before it sends its body. Such a request is checked from its header as
+any other: refused, it is answered at once with no `100 Continue`, so its body is never
+sent, and the connection is closed after it (`Connection: close`; what the client sends
+meanwhile, as one that does not wait, is dropped first, `_linger`). Let through, the app
+reads its body, and uvicorn's `100 Continue` goes out as it starts to.
+
 A body the app reads, of a declared length up to WHOLE_BODY_BYTES, is read from the socket
 straight into the one `bytes` the app is given, and handed over in one message
 (`LimitedHttpToolsProtocol._read_whole`): one copy of it out of the kernel instead of
@@ -453,6 +460,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
         elif not answered:
             self._start_cycle()
+        elif self.expect_100_continue:
+            self._linger()  # its body is not coming (module docstring)
 
     def _start_cycle(self) -> None:
         """Hand the request whose header was just parsed to the app (uvicorn's way)."""
@@ -475,7 +484,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return False
         if answer is not None:
             self._write_answer(answer)
-            if later.complete:
+            if self.expect_100_continue:
+                self._linger()
+            elif later.complete:
                 self._body_done()
             elif not (self._body_left > 0 and self._sink_ok() and self._drop_in_kernel()):
                 self.flow.resume_reading()  # dropped through the parser (TLS)
@@ -595,11 +606,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer_from_header(self) -> bool | object:
         """Ask `refuse_at_header` about a POST with a declared length, alone on its
-        connection (no answer before it still to be sent) and not waiting for `100
-        Continue`; write its answer if it has one (True), or say LATER."""
+        connection (no answer before it still to be sent); write its answer if it has one
+        (True), or say LATER."""
         check = self.refuse_at_header
         cycle = self.cycle
-        if (check is None or self._body_left < 0 or self.expect_100_continue or self.pipeline
+        if (check is None or self._body_left < 0 or self.pipeline
                 or (cycle is not None and not cycle.response_complete)
                 or self.parser.get_method() != b"POST"):
             return False
@@ -616,7 +627,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _write_answer(self, answer: Answer) -> None:
         status, headers, body = answer
-        self._close_after = not self.parser.should_keep_alive()
+        self._close_after = not self.parser.should_keep_alive() or self.expect_100_continue
         head = [STATUS_LINE[status]]
         for name, value in [*self.server_state.default_headers, *headers,
                             (b"content-length", str(len(body)).encode()),

@@ -108,6 +108,20 @@ def _post(srv: ServerProcess, body: bytes, headers: dict[str, str] | None = None
     return status, payload, {k.lower(): v for k, v in headers.items()}
 
 
+def _expect_continue(srv: ServerProcess, body: bytes) -> bytes:
+    """A POST with `Expect: 100-continue` whose body is sent only on `100 Continue`: what
+    the server sent until it closed the connection (no `100 Continue` when it refuses)."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as c:
+        c.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        got = b""
+        while chunk := c.recv(65536):
+            if got + chunk == b"HTTP/1.1 100 Continue\r\n\r\n":
+                c.sendall(body)
+            got += chunk
+        return got
+
+
 def _post_chunked(srv: ServerProcess, body: bytes) -> tuple[int, dict, dict[str, str]]:
     """`_post` with the body sent chunked (no Content-Length)."""
     c = http.client.HTTPConnection(srv.url.split(":")[0], srv.port, timeout=30)
@@ -241,6 +255,8 @@ def test_refusals_through_front_ends_match_one_process_and_are_counted_once(
         stats = json.loads(_get_text(servers[2], "/v2/models/tiny_cnn/stats"))
         assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == sent
         assert stats["model_stats"][0]["inference_stats"]["success"]["count"] == 0
+        for s in servers.values():  # a client waiting for `100 Continue` never sends it
+            assert _expect_continue(s, _infer_json()).startswith(b"HTTP/1.1 429 "), s.port
     finally:
         for s in servers.values():
             s.stop()

@@ -272,6 +272,33 @@ def test_a_client_that_asked_to_close_can_still_send_its_body_after_the_answer(
         backend.refusal = None
 
 
+def test_a_client_that_waits_for_100_continue_is_refused_before_it_sends_its_body(
+        served: tuple[tuple[str, int], RefusingBackend]) -> None:
+    """`Expect: 100-continue` (curl's way with big bodies): refused, the answer comes with no
+    `100 Continue` and the connection closes after it, without a byte of the body sent;
+    let through, the `100 Continue` comes and the request is served."""
+    addr, backend = served
+    expect = _head(BODY).replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: busy")
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(expect)
+            status, headers, body = _response(s)
+            assert status == 429 and headers["connection"] == "close"
+            assert json.loads(body)["reason"] == "work_ahead"
+            assert s.recv(1) == b""  # closed, the body never sent
+    finally:
+        backend.refusal = None
+    valid = expect.replace(str(BODY).encode(), str(len(VALID)).encode())
+    with socket.create_connection(addr, timeout=5) as s:
+        s.sendall(valid)
+        assert s.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(VALID)
+        status, _, body = _response(s)
+        assert status == 200, body
+        assert json.loads(body)["outputs"][0]["data"] == [2, 4, 6]
+
+
 def test_unknown_models_and_other_versions_are_left_to_the_routes(
         served: tuple[tuple[str, int], RefusingBackend]) -> None:
     addr, backend = served
