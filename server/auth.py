@@ -65,12 +65,10 @@ def header_allows(token: str | None, open_paths: Iterable[str]
 class BearerAuth:
     """Lets a request through when it sends `Authorization: Bearer <token>`."""
 
-    def __init__(self, app: ASGIApp, *, token: str, open_paths: Iterable[str],
-                 drain_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, open_paths: Iterable[str]) -> None:
         self.app = app
         self.token = token.encode()
         self.open_paths = tuple(open_paths)
-        self.drain_bytes = drain_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or is_open(scope["path"], self.open_paths):
@@ -79,7 +77,6 @@ class BearerAuth:
         if has_token(scope["headers"], self.token):
             await self.app(scope, receive, send)
             return
-        await refuse(scope, receive, send, 401,
+        await refuse(scope, send, 401,
                      "unauthorized: send the server's token as `Authorization: Bearer <token>`",
-                     headers=[(b"www-authenticate", b'Bearer realm="dstack"')],
-                     drain_bytes=self.drain_bytes)
+                     headers=[(b"www-authenticate", b'Bearer realm="dstack"')])

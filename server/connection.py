@@ -104,10 +104,10 @@ def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
     return int(soft)
 
 
-#: A body of this many bytes declared or more, refused before its end, is read and dropped
-#: at the pace `ConnectionLimits.drop_bytes_per_s` (all connections together): a storm of
-#: refused uploads then cannot take the cores the workers need for the requests the server
-#: did take.
+#: A body of this many bytes declared or more (or of no declared length: chunked), refused
+#: before its end, is read and dropped at the pace `ConnectionLimits.drop_bytes_per_s` (all
+#: connections together): a storm of refused uploads then cannot take the cores the
+#: workers need for the requests the server did take.
 DROP_AFTER_BYTES = 4 << 20
 
 #: The scope key of when the server's parser met a request's first byte (time.monotonic()):
@@ -241,15 +241,17 @@ class _HeadWithBody:
     its body in two writes, each a send to the socket; the header is held here and sent
     with the body's first write (or when the cycle closes the connection), with
     `Server-Timing` added as it is held. Not for an answer to HEAD, which has no body to
-    write."""
+    write. The cycle's close of the connection goes to `close` (the connection's way)."""
 
-    __slots__ = ("_transport", "_head", "_fresh", "_received_at")
+    __slots__ = ("_transport", "_head", "_fresh", "_received_at", "_close")
 
-    def __init__(self, transport: asyncio.Transport, received_at: float) -> None:
+    def __init__(self, transport: asyncio.Transport, received_at: float,
+                 close: Callable[[], None]) -> None:
         self._transport = transport
         self._head: bytes | None = None
         self._fresh = True  # nothing of the answer written yet
         self._received_at = received_at
+        self._close = close
 
     def write(self, data: bytes) -> None:
         if self._fresh and not data.startswith(b"HTTP/1.1 100 "):  # not `100 Continue`
@@ -264,7 +266,7 @@ class _HeadWithBody:
         if self._head is not None:
             self._transport.write(self._head)
             self._head = None
-        self._transport.close()
+        self._close()
 
     def is_closing(self) -> bool:
         return self._transport.is_closing()
@@ -333,10 +335,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_header = False  # from a request's first byte to the end of its header
         self._last_body_at = 0.0
         self._waiting_since = 0.0
-        self._big = False  # the body being read declared DROP_AFTER_BYTES or more
+        self._big = False  # the body being read declared DROP_AFTER_BYTES or more, or none
         self._body_left = -1  # of the body being read, bytes declared and not yet seen
         self._answered_here = False  # the request being read was answered from its header
-        self._close_after = False  # ... and its client asked to close after the answer
+        # ... and the connection closes once its body has been dropped (the client asked to
+        # close, or the app's answer before the body's end did: `_close_answered`)
+        self._close_after = False
         self._sink: socket.socket | None = None  # while the rest of a body is dropped
         self._sink_watched = False  # the loop calls _drop_some when the sink has bytes
         self._dup: socket.socket | None = None  # the sink, kept for the connection's life
@@ -364,6 +368,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
+        if self._lingering:  # closed after its answer (`_close_answered`)
+            self.server_state.total_requests += 1
+            return
         cycle = self.cycle
         # The request being read was answered before its body has all come (else the
         # answer is to one before it, pipelined, and the body being read is another's).
@@ -376,6 +383,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
         super().on_response_complete()
         self._wait_if_idle()
+
+    def _close_answered(self) -> None:
+        """The close uvicorn makes after an answer with `Connection: close` (the client asked
+        for it, or the app did). An answer complete while its request's body is still
+        coming (a refusal: `server.limits.refuse`) closes once the rest has been dropped
+        (`on_response_complete`, then `_body_done`, which lingers): a close with bytes still
+        coming makes the kernel answer them with a reset, and a client still sending its
+        body (urllib; a 300 MB upload refused 413) then sees the reset instead of the
+        answer. A body the client waits to be asked for (`Expect: 100-continue`) and never
+        was is not coming: the connection lingers at once."""
+        cycle = self.cycle
+        if (not self._reading_body or cycle is None or not cycle.response_complete
+                or self.transport.is_closing()):
+            self.transport.close()
+        elif self.expect_100_continue and cycle.waiting_for_100_continue:
+            self._close_softly()
+        else:
+            self._close_after = True
 
     def send_400_response(self, msg: str) -> None:
         # What httptools cannot parse (a bad request line, header, Content-Length or chunk
@@ -406,6 +431,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._arm(LINGER_S, self.transport.close)
+
+    def _close_softly(self) -> None:
+        """Close after an answer: lingering (`_linger`) where an end of file can go first,
+        at once over TLS."""
+        if self.transport.can_write_eof():
+            self._linger()
+        else:
+            self.transport.close()
 
     def shutdown(self) -> None:
         if self._reading_body:  # an upload still arriving: refuse it now, never wait for it
@@ -448,7 +481,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         length = next((v for k, v in self.headers if k == b"content-length"), b"")
         self._body_left = int(length) if length.isdigit() else -1
-        self._big = self._body_left >= DROP_AFTER_BYTES
+        self._big = self._body_left >= DROP_AFTER_BYTES or self._body_left < 0  # or chunked
         self._in_header = False
         self._waiting.pop(self, None)
         self._reading_body = True
@@ -470,7 +503,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not started and self.scope["method"] != "HEAD":  # a body follows
             cycle.transport = _HeadWithBody(  # type: ignore[assignment]
-                self.transport, self.scope[RECEIVED_AT])  # type: ignore[literal-required]
+                self.transport, self.scope[RECEIVED_AT],  # type: ignore[literal-required]
+                self._close_answered)
             if (not self.pipeline and not self.expect_100_continue
                     and 0 < self._body_left <= WHOLE_BODY_BYTES):
                 self._read_whole(cycle)
@@ -521,7 +555,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._later is not None:
             self._later.complete = True
             return
-        if self._answered_here:
+        if self._answered_here or self._close_after:  # (the latter: dropped by the parser)
             self._body_done()
             return
         whole, self._whole = self._whole, None
@@ -652,10 +686,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         if self._close_after:
             self._close_after = False
-            if self.transport.can_write_eof():
-                self._linger()
-            else:  # TLS: no end of file to send first
-                self.transport.close()
+            self._close_softly()
             return
         if self.timeout_keep_alive_task is None and not self.transport.is_closing():
             self.timeout_keep_alive_task = self.loop.call_later(

@@ -11,9 +11,9 @@ The connection is kept: once the answer is complete the connection drops the res
 body (`server.connection`: in the kernel, or through the parser over TLS), so a client that
 sends its whole body before reading (requests, tritonclient, aiohttp) reads the 429 rather
 than a reset, and its next request reuses the connection. A client that asked to close the
-connection after the answer (urllib sends `Connection: close`) gets its answer and then
-the rest of its body is read and dropped before the close (up to `drain_bytes`), as the
-body limits do: closing with its bytes unread would reset the connection mid-upload.
+connection after the answer (urllib sends `Connection: close`) gets its answer and the
+connection closes once the rest of its body has been dropped: closing with its bytes unread
+would reset the connection mid-upload.
 A request whose batch turns out to be bigger than one item is checked again, whole, when
 it is admitted.
 
@@ -88,13 +88,12 @@ class EarlyRefusal:
 
     def __init__(self, app: ASGIApp, *, refuse_early: Callable[..., object],
                  failed: Failed, version: str,
-                 drain_bytes: int = 0, release: Callable[..., None] | None = None) -> None:
+                 release: Callable[..., None] | None = None) -> None:
         self.app = app
         self.refuse_early = refuse_early
         self.release = release
         self.failed = failed
         self.version = version
-        self.drain_bytes = drain_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -107,13 +106,13 @@ class EarlyRefusal:
                 except ModelNotFound:
                     pass  # the route answers it (404), as without this middleware
                 except DStackError as e:
-                    await self._refuse(scope, receive, send, model, e, "header")
+                    await self._refuse(scope, send, model, e, "header")
                     return
                 else:
                     try:
                         await self.app(scope, self._watched(scope, receive, model), send)
                     except TooLate as late:
-                        await self._refuse(scope, receive, send, model, late.error, "body")
+                        await self._refuse(scope, send, model, late.error, "body")
                     finally:
                         held = scope.pop(HELD, None)
                         if held is not None and self.release is not None:
@@ -121,11 +120,11 @@ class EarlyRefusal:
                     return
         await self.app(scope, receive, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, model: str,
+    async def _refuse(self, scope: Scope, send: Send, model: str,
                       e: DStackError, stage: str) -> None:
         _counted(self.failed, model, e, stage, scope.get(RECEIVED_AT))
-        await refuse(scope, receive, send, e.status_code, e.message, headers=retry_after(e),
-                     drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
+        await refuse(scope, send, e.status_code, e.message, headers=retry_after(e),
+                     reason=e.rule)
 
     def _watched(self, scope: Scope, receive: Receive, model: str) -> Receive:
         """`receive`, asking `refuse_early(model, since_s)` as the body arrives."""

@@ -191,7 +191,7 @@ class FrontEnd:
         try:
             body = await read_body(scope, receive, self.max_body_bytes)  # whole: BodyLimits
         except DStackError as e:  # a client gone mid-body
-            await refuse(scope, receive, send, e.status_code, e.message)
+            await refuse(scope, send, e.status_code, e.message)
             return
         # A binary infer body in shared memory (`SharedBodies.store` takes no other): it
         # goes as where it lies, and its space is given back at the answer (`call`'s
@@ -212,7 +212,7 @@ class FrontEnd:
             reply, out = await self.link.call(meta, body,
                                               None if shared is None else shared.free)
         except DStackError as e:
-            await refuse(scope, receive, send, e.status_code, e.message)
+            await refuse(scope, send, e.status_code, e.message)
             return
         await send({"type": "http.response.start", "status": reply["s"], "headers": [
             (b"content-length", str(len(out)).encode()),
@@ -227,11 +227,9 @@ class FrontEndRefusal:
     of its body dropped by the connection. A header not decided on within `bound` of its
     first byte is refused here, as `LinkHeaderCheck` refuses one."""
 
-    def __init__(self, app: ASGIApp, link: Link, *, drain_bytes: int,
-                 bound: DecisionBound | None = None) -> None:
+    def __init__(self, app: ASGIApp, link: Link, *, bound: DecisionBound | None = None) -> None:
         self.app = app
         self.link = link
-        self.drain_bytes = drain_bytes
         self.bound = bound or DecisionBound(0.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -253,29 +251,29 @@ class FrontEndRefusal:
                     reply, _ = await self.link.call(
                         _header_meta(i, model, m.group(2), received, decide_s))
             except DStackError as e:
-                await refuse(scope, receive, send, e.status_code, e.message)
+                await refuse(scope, send, e.status_code, e.message)
                 return
             except TimeoutError:
                 self.link.waiting.pop(i, None)  # (its late answer, if any, finds no one)
                 self.link.tell({"k": "u", "i": i, "m": model, "t": received, "d": decide_s})
-                await self._refuse(scope, receive, send, undecided_error(model, decide_s))
+                await self._refuse(scope, send, undecided_error(model, decide_s))
                 return
             self.bound.decided(reply["k"] == "no")
             if reply["k"] == "no":
-                await self._refuse(scope, receive, send, error_of(reply))
+                await self._refuse(scope, send, error_of(reply))
                 return
             scope[LINK_ID] = i
         try:
             await self.app(scope, self._watched(receive, i, model, received), send)
         except TooLate as late:
-            await self._refuse(scope, receive, send, late.error)
+            await self._refuse(scope, send, late.error)
         finally:
             if scope.pop(LINK_ID, None) is not None:  # its body never went: give the hold back
                 self.link.tell({"k": "r", "i": i})
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, e: DStackError) -> None:
-        await refuse(scope, receive, send, e.status_code, e.message, headers=retry_after(e),
-                     drain_bytes=self.drain_bytes, keep=True, reason=e.rule)
+    async def _refuse(self, scope: Scope, send: Send, e: DStackError) -> None:
+        await refuse(scope, send, e.status_code, e.message, headers=retry_after(e),
+                     reason=e.rule)
 
     def _watched(self, receive: Receive, i: int, model: str, received: float) -> Receive:
         async def check() -> DStackError | None:  # `c`, across the link
@@ -451,11 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     app = BodyLimits(app, max_body_bytes=s.max_body_bytes, budget=SharedBodyBudget(
         s.body_budget_bytes, Path(args.budget), args.slot))
     bound = DecisionBound(decision_timeout_s(cfg))
-    app = FrontEndRefusal(app, link, drain_bytes=s.max_body_bytes, bound=bound)
+    app = FrontEndRefusal(app, link, bound=bound)
     token = load_token(s)
     if token is not None:
-        app = BearerAuth(app, token=token, open_paths=s.auth_open_paths,
-                         drain_bytes=s.max_body_bytes)
+        app = BearerAuth(app, token=token, open_paths=s.auth_open_paths)
     check = LinkHeaderCheck(link, max_body_bytes=s.max_body_bytes,
                             allowed=header_allows(token, s.auth_open_paths),
                             bound=bound)

@@ -4,9 +4,9 @@ says enough; and refusals that let the client finish sending, so that it reads t
 
 A client that is answered before it has sent its whole body (urllib, requests and
 tritonclient send the body first and read after) sees a connection reset when the server
-closes on unread bytes. `refuse` therefore answers, then reads and drops what the client
-still sends (up to a bound), then closes; or, for a body over the budget whose length the
-header declares, answers at once and keeps the connection while the protocol drops the body.
+closes on unread bytes. `refuse` therefore answers at once and leaves the rest of the body
+to the connection (`server.connection`), which drops it as it comes, in the kernel where
+its length is declared, and then keeps the connection, or closes it if the client asked to.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError
 from server.memory import TRIM_AFTER_BYTES, BodyBuffer, release_freed_memory
-
-DRAIN_FACTOR = 4
 
 
 class BodyBudget:
@@ -64,44 +62,22 @@ def retry_after(e: DStackError) -> list[tuple[bytes, bytes]]:
         (b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())]
 
 
-async def refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
-                 headers: Iterable[tuple[bytes, bytes]] = (), drain_bytes: int = 0,
-                 keep: bool = False, reason: str | None = None) -> None:
-    """Answer `{"error": message}` (and `"reason"`, when given) with `status` and close the
-    connection, after reading and dropping up to `drain_bytes` of the request body the
-    client is still sending (a client that stalls meanwhile is cut by the connection's
-    body timeout).
-
-    `keep` (a body of a bounded length): unless the client asked to close, the connection
-    is kept and the answer is complete at once; the connection then drops the rest of the
-    body (`server.connection`: in the kernel, or through the parser over TLS), with no
-    wake-up of this task per piece, and the client's next request reuses the
-    connection."""
+async def refuse(scope: Scope, send: Send, status: int, message: str, *,
+                 headers: Iterable[tuple[bytes, bytes]] = (), reason: str | None = None
+                 ) -> None:
+    """Answer `{"error": message}` (and `"reason"`, when given) with `status`, complete at
+    once: what is still coming of the request's body is the connection's to drop
+    (`server.connection`: in the kernel where its length is declared, else through the
+    parser), with no wake-up of this task per piece. The connection is then kept for the
+    client's next request, or closed if the client asked to, or if it waits for `100
+    Continue` (its body may never come)."""
     body = error_json(message, reason)
     head = [(b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()), *headers]
-    if keep and not closes_after(scope):
-        await send({"type": "http.response.start", "status": status, "headers": head})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        return
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*head, (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body, "more_body": True})
-    await drain(scope, receive, drain_bytes)
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def drain(scope: Scope, receive: Receive, drain_bytes: int) -> None:
-    """Read and drop up to `drain_bytes` of a request body the client is still sending, so
-    that closing the connection after the answer does not reset it mid-upload (the client
-    would see a broken pipe instead of the answer)."""
-    # With `Expect: 100-continue` the client waits for our word and sends nothing: no drain.
-    left = 0 if header(scope, b"expect") else drain_bytes
-    while left > 0:
-        msg = await receive()
-        if msg["type"] != "http.request" or not msg.get("more_body", False):
-            break
-        left -= len(msg.get("body", b""))
+    if closes_after(scope) or header(scope, b"expect") is not None:
+        head.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def closes_after(scope: Scope) -> bool:
@@ -126,9 +102,6 @@ class BodyLimits:
         self.max_body_bytes = max_body_bytes
         self.budget = budget
         self.retry_after = (b"retry-after", str(retry_after_s).encode())
-        # Refused bodies are read and dropped up to this much (bandwidth, not memory): a
-        # client sending a few times the limit still reads its 413.
-        self.drain_bytes = DRAIN_FACTOR * max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -140,10 +113,10 @@ class BodyLimits:
             return
         declared = int(length) if length is not None and length.isdigit() else 0
         if declared > self.max_body_bytes:
-            await self._too_large(scope, receive, send, f"{declared} bytes")
+            await self._too_large(scope, send, f"{declared} bytes")
             return
         if not self.budget.take(declared):  # nothing read yet: a declared body is dropped
-            await self._over_budget(scope, receive, send, keep=length is not None)
+            await self._over_budget(scope, send)
             return
         taken = declared
         big = declared >= TRIM_AFTER_BYTES
@@ -157,16 +130,13 @@ class BodyLimits:
                     return  # nobody left to answer
                 chunk = msg.get("body", b"")
                 total += len(chunk)
-                # Drain only a body still arriving: the last chunk may be the one over (a
-                # drain would then wait for bytes that never come, holding the socket).
                 more = msg.get("more_body", False)
                 if total > self.max_body_bytes:
-                    await self._too_large(scope, receive, send,
-                                          f"more than {self.max_body_bytes} bytes", drain=more)
+                    await self._too_large(scope, send, f"more than {self.max_body_bytes} bytes")
                     return
                 if total > taken:  # chunked (or longer than declared): count as it comes
                     if not self.budget.take(total - taken):
-                        await self._over_budget(scope, receive, send, drain=more)
+                        await self._over_budget(scope, send)
                         return
                     taken = total
                 pieces.write(chunk)
@@ -181,20 +151,16 @@ class BodyLimits:
             if taken >= TRIM_AFTER_BYTES:
                 self.trims.request()
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str, *,
-                         drain: bool = True) -> None:
-        await refuse(scope, receive, send, 413,
-                     f"request body of {size} exceeds the limit of {self.max_body_bytes} bytes",
-                     drain_bytes=self.drain_bytes if drain else 0)
+    async def _too_large(self, scope: Scope, send: Send, size: str) -> None:
+        await refuse(scope, send, 413,
+                     f"request body of {size} exceeds the limit of {self.max_body_bytes} bytes")
 
-    async def _over_budget(self, scope: Scope, receive: Receive, send: Send, *,
-                           drain: bool = True, keep: bool = False) -> None:
+    async def _over_budget(self, scope: Scope, send: Send) -> None:
         b = self.budget
-        await refuse(scope, receive, send, 503,
+        await refuse(scope, send, 503,
                      f"server busy: request bodies in flight use {b.used_bytes} of "
                      f"{b.limit_bytes} bytes (server.body_budget_bytes); retry later",
-                     headers=[self.retry_after],
-                     drain_bytes=self.drain_bytes if drain else 0, keep=keep)
+                     headers=[self.retry_after])
 
 
 class _Trims:

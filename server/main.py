@@ -84,15 +84,14 @@ def guard(app: FastAPI, backend: object, s: ServerConfig, auth_token: str | None
         release = getattr(backend, "release", None)
         app.add_middleware(EarlyRefusal, refuse_early=refuse_early,
                            failed=app.state.metrics.failed, version=MODEL_VERSION,
-                           drain_bytes=s.max_body_bytes, release=release)
+                           release=release)
         # asked by the connection itself (server_config), before any task or app runs
         app.state.header_refusal = HeaderRefusal(
             refuse_early=refuse_early, failed=app.state.metrics.failed,
             version=MODEL_VERSION, max_body_bytes=s.max_body_bytes,
             allowed=header_allows(auth_token, s.auth_open_paths), hold=release is not None)
     if auth_token is not None:  # outermost: no body is read for a request without the token
-        app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths,
-                           drain_bytes=s.max_body_bytes)
+        app.add_middleware(BearerAuth, token=auth_token, open_paths=s.auth_open_paths)
     return app
 
 
