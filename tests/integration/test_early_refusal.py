@@ -311,6 +311,14 @@ def test_a_client_that_waits_for_100_continue_is_refused_before_it_sends_its_bod
             assert s.recv(1) == b""  # closed, the body never sent
     finally:
         backend.refusal = None
+    # over the body limit: refused by the app (413), the same way, not held for the body
+    over = expect.replace(str(BODY).encode(), str(4 * BODY + 1).encode())
+    with socket.create_connection(addr, timeout=2) as s:  # the body timeout is 5 s
+        s.sendall(over)
+        status, headers, body = _response(s)
+        assert status == 413 and headers["connection"] == "close"
+        assert "limit" in json.loads(body)["error"]
+        assert s.recv(1) == b""
     valid = expect.replace(str(BODY).encode(), str(len(VALID)).encode())
     with socket.create_connection(addr, timeout=5) as s:
         s.sendall(valid)
