@@ -241,9 +241,10 @@ class _HeadWithBody:
     its body in two writes, each a send to the socket; the header is held here and sent
     with the body's first write (or when the cycle closes the connection), with
     `Server-Timing` added as it is held. Not for an answer to HEAD, which has no body to
-    write. The cycle's close of the connection goes to `close` (the connection's way)."""
+    write. The cycle's close of the connection goes to `close` (the connection's way).
+    `continued`: a `100 Continue` went out (the client was asked for its body)."""
 
-    __slots__ = ("_transport", "_head", "_fresh", "_received_at", "_close")
+    __slots__ = ("_transport", "_head", "_fresh", "_received_at", "_close", "continued")
 
     def __init__(self, transport: asyncio.Transport, received_at: float,
                  close: Callable[[], None]) -> None:
@@ -252,13 +253,17 @@ class _HeadWithBody:
         self._fresh = True  # nothing of the answer written yet
         self._received_at = received_at
         self._close = close
+        self.continued = False
 
     def write(self, data: bytes) -> None:
-        if self._fresh and not data.startswith(b"HTTP/1.1 100 "):  # not `100 Continue`
-            self._fresh = False  # the head, ending in an empty line
-            self._head = b"%sserver-timing: %s\r\n\r\n" % (
-                data[:-2], server_timing(self._received_at))
-            return
+        if self._fresh:
+            if data.startswith(b"HTTP/1.1 100 "):  # `100 Continue`: sent as it is
+                self.continued = True
+            else:  # the head, ending in an empty line
+                self._fresh = False
+                self._head = b"%sserver-timing: %s\r\n\r\n" % (
+                    data[:-2], server_timing(self._received_at))
+                return
         head, self._head = self._head, None
         self._transport.write(data if head is None else head + data)
 
@@ -397,7 +402,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if (not self._reading_body or cycle is None or not cycle.response_complete
                 or self.transport.is_closing()):
             self.transport.close()
-        elif self.expect_100_continue and cycle.waiting_for_100_continue:
+        elif self.expect_100_continue and not cycle.transport.continued:  # type: ignore[attr-defined]
             self._close_softly()
         else:
             self._close_after = True
