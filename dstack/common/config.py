@@ -66,7 +66,7 @@ class ServerConfig(_Strict):
     The server raises its own open-files soft limit to this + 256 at start-up (up to the
     hard limit)."""
     dropped_body_bytes_per_s: Annotated[float, Field(ge=0)] = 200e6
-    """The rest of a big body (4 MiB or more declared) that the server has already refused
+    """The rest of a big body (4 MiB or more declared, or chunked) that the server has refused
     is read and dropped at most this fast, all connections together (0: as fast as it
     comes). The refused clients' uploads then take longer, and cannot take the cores that
     the requests the server did take need."""
