@@ -718,7 +718,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.loop.call_later(wait, self._resume_drop)
 
     def _resume_drop(self) -> None:
-        if not self.transport.is_closing():
+        """The end of a pause of `_pace_drop`. Reading stays paused if another has taken
+        it over since: the next request's body dropped in the kernel (a chunked body's end
+        and the next request can come in one read), or its header asked about LATER; each
+        resumes reading when done. (Resumed in the middle of a drop in the kernel, the parser
+        read the body too, took the next request's bytes for its rest, and answered 400.)"""
+        if not self.transport.is_closing() and self._sink is None and self._later is None:
             self._last_body_at = self.loop.time()
             self.flow.resume_reading()
 

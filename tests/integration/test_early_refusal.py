@@ -201,6 +201,34 @@ def test_the_rest_of_a_refused_big_body_is_read_no_faster_than_the_drop_pace(
         backend.refusal = None
 
 
+def test_a_chunked_body_over_the_limit_and_a_declared_one_after_it_are_each_answered(
+        served: tuple[tuple[str, int], RefusingBackend], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chunked body over the limit is dropped through the parser at the drop pace; the
+    next request's body, over the limit too, is dropped in the kernel. Sent at once, the
+    end of the first and the start of the second come in one read, and the pace's timer
+    for that read used to resume the parser in the middle of the second's drop: both read
+    its body, and its tail was answered as a malformed request (400). Each gets its 413,
+    and the valid request after them its 200."""
+    from server import connection
+
+    monkeypatch.setattr(connection, "DROP_AFTER_BYTES", 1_000_000)  # both paced (2 MB/s)
+    addr, _ = served
+    over = 4 * BODY + 1_000_000
+    piece = b"x" * 65536
+    chunked = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n").encode()
+    chunked += b"%x\r\n%s\r\n" % (len(piece), piece) * (over // len(piece)) + b"0\r\n\r\n"
+    declared = over + (256 << 10)
+    data = chunked + _head(declared) + b"y" * declared + _head(len(VALID)) + VALID
+    with socket.create_connection(addr, timeout=15) as s:
+        sender = threading.Thread(target=s.sendall, args=(data,))
+        sender.start()
+        got = _responses(s, 3)
+        sender.join()
+    assert [status for status, _, _ in got] == [413, 413, 200], got
+
+
 def test_a_client_that_sends_its_body_first_reads_the_refusal_and_it_is_counted(
         served: tuple[tuple[str, int], RefusingBackend]) -> None:
     addr, backend = served
