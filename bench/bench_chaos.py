@@ -20,6 +20,10 @@ Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
 - 20 concurrent ~20 MB JSON bodies (sent by a child process), with other traffic's p99 per
   model during them against unloaded,
   and the server's RSS after against before;
+- over the limit: 200 bodies of 8 MiB to a 1 MiB limit, 8 kept-alive connections at a time
+  with http.client (the whole body sent before the answer is read; declared and chunked,
+  with and without `Connection: close`): every one must read its 413, not a reset, and
+  the server's open descriptors come back;
 - slowloris: 1,000 half-sent headers kept open (as many as the default connection cap),
   normal traffic (a new connection per request) meanwhile: its p99 against unloaded, its
   503s, and every stalled socket closed within the header timeout;
@@ -750,6 +754,35 @@ def stalled(args: argparse.Namespace) -> Row:
                    answered_within_s=time.monotonic() - t0)
 
 
+def over_limit(args: argparse.Namespace) -> Row:
+    """Bodies over the limit, sent whole before the answer is read, one after another on
+    kept-alive connections (declared and chunked, with and without `Connection: close`):
+    each must read its 413, not a reset, and the server must be left as it was."""
+    limit = 1 << 20
+    with serving(config("tiny", "overlimit", {"max_body_bytes": limit}),
+                 OUT / "overlimit.log") as srv:
+        port = int(srv.host.rsplit(":", 1)[1])
+        fds0, rss0 = _open_fds(srv.pid), cl.rss_mb(srv.pid)
+        t0 = time.monotonic()
+        got, slowest = cl.over_limit_uploads("127.0.0.1", port, args.over_limit,
+                                             8 * limit, 8, 30)
+        seconds = time.monotonic() - t0
+        time.sleep(1)  # the last connections' lingering closes
+        answered = {int(k): v for k, v in got.items() if k.isdigit()}
+        t = cl.Tally(sent=sum(got.values()), hung=got["TimeoutError"],
+                     other_4xx=sum(v for k, v in answered.items() if 400 <= k < 500),
+                     err_5xx=sum(v for k, v in answered.items() if k >= 500),
+                     conn=sum(got.values()) - sum(answered.values()) - got["TimeoutError"])
+        return row(f"{args.over_limit} x 8 MiB over a 1 MiB limit", t, srv.pid,
+                   statuses=dict(sorted(got.items())), slowest_answer_s=slowest,
+                   seconds=seconds, fds_before_after=(fds0, _open_fds(srv.pid)),
+                   rss_before_mb=rss0, still_serving=_ready(srv.host, "tiny_cnn"))
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def sigterm(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
     rates = {m: r * _capacity(args) for m, r in base.items()}
@@ -886,8 +919,8 @@ def _interrupt(sig: int, _: Any) -> None:
     raise KeyboardInterrupt(f"signal {sig}")
 
 
-SCENARIOS = ("overload", "kill", "bodies", "slowloris", "stalled", "sigterm", "fuzz",
-             "refusal-cost", "accept-cost")
+SCENARIOS = ("overload", "kill", "bodies", "over-limit", "slowloris", "stalled", "sigterm",
+             "fuzz", "refusal-cost", "accept-cost")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -934,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--side-load", type=float, default=4.0,
                    help="the other traffic beside the big bodies, as a multiple of the "
                         "mix's rate_rps (4: half the 8x capacity of this machine)")
+    p.add_argument("--over-limit", type=int, default=200,
+                   help="bodies of 8 MiB sent to a 1 MiB limit, 8 connections at a time")
     p.add_argument("--slowloris", type=int, default=1000)
     p.add_argument("--stalled", type=int, default=50)
     p.add_argument("--fuzz", type=int, default=100_000)
@@ -982,6 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
         "overload": lambda: rows.extend(overload(args)),
         "kill": lambda: rows.append(worker_kill(args)),
         "bodies": lambda: rows.append(big_bodies(args)),
+        "over-limit": lambda: rows.append(over_limit(args)),
         "slowloris": lambda: rows.append(slowloris(args)),
         "stalled": lambda: rows.append(stalled(args)),
         "sigterm": lambda: rows.append(sigterm(args)),

@@ -490,6 +490,58 @@ def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, f
         return list(pool.map(one, range(n)))
 
 
+def over_limit_uploads(host: str, port: int, n: int, size: int, threads: int,
+                       hang_s: float) -> tuple[Counter, float]:
+    """`n` POSTs of `size` bytes (over the server's limit) from `threads` threads, each on
+    kept-alive connections with http.client, which sends a whole body before it reads:
+    of every four, a declared length, a declared length with `Connection: close`, chunked,
+    chunked with `Connection: close`. What each got (a status, or the error instead of
+    one: a reset, a hang) -> count, and the slowest answer in seconds."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = b"x" * size
+    piece = 1 << 16
+
+    def one_thread(k: int) -> tuple[Counter, float]:
+        got: Counter = Counter()
+        slowest = 0.0
+        c: http.client.HTTPConnection | None = None
+        for i in range(k, n, threads):
+            close, chunked = i % 2 == 1, i % 4 >= 2
+            headers = {"Content-Type": "application/json"}
+            if close:
+                headers["Connection"] = "close"
+            if c is None:
+                c = http.client.HTTPConnection(host, port, timeout=hang_s)
+            t0 = time.perf_counter()
+            try:
+                if chunked:
+                    c.request("POST", "/v2/models/tiny_cnn/infer", encode_chunked=True,
+                              body=(body[j:j + piece] for j in range(0, size, piece)),
+                              headers={**headers, "Transfer-Encoding": "chunked"})
+                else:
+                    c.request("POST", "/v2/models/tiny_cnn/infer", body=body, headers=headers)
+                r = c.getresponse()
+                r.read()
+                got[str(r.status)] += 1
+                if r.will_close:
+                    c.close()
+                    c = None
+            except (OSError, http.client.HTTPException) as e:
+                got[type(e).__name__] += 1
+                c.close()
+                c = None
+            slowest = max(slowest, time.perf_counter() - t0)
+        if c is not None:
+            c.close()
+        return got, slowest
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(one_thread, range(threads)))
+    return sum((g for g, _ in results), Counter()), max(s for _, s in results)
+
+
 # ------------------------------------------------------------------ hostile sockets
 
 
