@@ -206,6 +206,11 @@ class _Pieces:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
+class _Behind(Exception):
+    """Raised in the parser's callback to stop it at a request pipelined behind one whose
+    check answers LATER (`LimitedHttpToolsProtocol.on_message_begin`)."""
+
+
 class _Later:
     """What came of a request's body while its header check answers LATER."""
 
@@ -351,6 +356,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._dup: socket.socket | None = None  # the sink, kept for the connection's life
         self._whole: _Whole | None = None  # the body being read straight into its bytes
         self._later: _Later | None = None  # the request whose check answers LATER, meanwhile
+        # The requests being answered are the connection's last: it closes after them (the
+        # client closed its sending side, or pipelined a request behind a LATER one)...
+        self._last = False
+        self._eof = False  # ... the client has closed its sending side
+        self._bad_next = False  # what came after them did not parse: a 400 follows them
 
     # -- connection
 
@@ -409,7 +419,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # What httptools cannot parse (a bad request line, header, Content-Length or chunk
-        # framing): uvicorn answers plain text; our clients read `{"error": ...}`.
+        # framing): uvicorn answers plain text; our clients read `{"error": ...}`. Bytes that
+        # come after a whole request still being answered get their 400 after its answer
+        # (uvicorn wrote it at once, where the client read it as that request's answer, which
+        # was then lost).
+        if self._owes_earlier():
+            self._bad_next = True
+            self._in_header = False
+            self._disarm()
+            self._waiting.pop(self, None)
+            return
+        self._refuse_unparsed()
+
+    def _refuse_unparsed(self) -> None:
         self._disarm()
         self.transport.write(error_response(
             400, "malformed HTTP request: the request line, a header, the Content-Length "
@@ -422,6 +444,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         sends meanwhile; after an end of file (where the transport has one), so that a
         client reading to the end reads the answer and stops. Evictable meanwhile, as
         a connection waiting for a header, with a bare close."""
+        if self._eof:  # the client sends nothing more: nothing to wait for
+            self.transport.close()
+            return
         self._lingering = True
         cycle = self.cycle  # a request before it, still being answered: it cannot be now
         if cycle is not None and not cycle.response_complete:
@@ -460,9 +485,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- parser callbacks
 
     def on_message_begin(self) -> None:
-        if self._later is not None:  # pipelined behind a request still being asked about
-            self.transport.close()  # (clients do not pipeline POSTs; not worth a queue)
-            return
+        if self._later is not None:  # pipelined behind a request still being asked about:
+            # that one is answered, then the connection closes, and the client sends this
+            # one again (RFC 9112 9.3.2; clients do not pipeline POSTs: not worth a queue)
+            self._last = True
+            raise _Behind
         super().on_message_begin()
         self.scope[RECEIVED_AT] = time.monotonic()  # type: ignore[literal-required]
         self._in_header = True
@@ -472,16 +499,52 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._wait_for_header()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
+        if self._lingering or self._last or self._bad_next:  # nothing more is served
             return
         cycle = self.cycle
         if (self._big and self._reading_body and self.limits.drop_bytes_per_s > 0
                 and (self._answered_here or (cycle is not None and cycle.response_complete))):
             self._pace_drop(len(data))  # answered already: the rest of the body is dropped
-        super().data_received(data)
+        self._feed(data)
         if (self._answered_here and self._body_left > 0 and self._sink_ok()
                 and not self.transport.is_closing()):
             self._drop_in_kernel()  # answered from its header, and more of its body to come
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's `data_received`, but for a request pipelined behind a LATER one, which
+        stops the parser (`_Behind`) and is not one the client got wrong."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError as e:
+            if not isinstance(e.__context__, _Behind):
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("")
+
+    def eof_received(self) -> bool | None:
+        """The client has closed its sending side (`shutdown(SHUT_WR)`, `nc -N`): it sends
+        nothing more, and reads the answers to what it sent (RFC 9112 9.6). What it sent
+        whole is answered, then the connection closes. (uvicorn closed at once, and such a
+        client got no answer.) A request cut short cannot be answered: closed, as before."""
+        self._eof = True
+        if self._lingering or not self._owes_earlier():
+            return None  # the transport closes
+        self._last = True
+        return True
+
+    def _owes_earlier(self) -> bool:
+        """An answer is owed to a request that came whole before what is being read now
+        (nothing, or part of a header)."""
+        if self._later is not None:
+            return self._later.complete
+        cycle = self.cycle
+        return not self._reading_body and (
+            bool(self.pipeline) or (cycle is not None and not cycle.response_complete))
 
     def on_headers_complete(self) -> None:
         length = next((v for k, v in self.headers if k == b"content-length"), b"")
@@ -834,7 +897,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if (self._reading_body or self.pipeline or self.transport.is_closing()
                 or (cycle is not None and not cycle.response_complete)):
             return
-        if self not in self._waiting:
+        if self._bad_next:  # what came after the requests just answered did not parse
+            self._bad_next = False
+            self._refuse_unparsed()
+        elif self._last:
+            self._close_softly()
+        elif self not in self._waiting:
             self._wait_for_header()
 
     def _evict_oldest(self) -> bool:

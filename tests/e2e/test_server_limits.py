@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import time
 import urllib.error
@@ -166,6 +167,65 @@ def test_a_client_still_sending_after_the_400_to_an_unparseable_header_reads_it(
     assert _serves(srv)
     # one line per process that parses HTTP (each front end has its own)
     assert srv.text().count("Invalid HTTP request received.") <= max(1, len(srv.front_ends()))
+
+
+def _answers(raw: bytes) -> list[tuple[int, bytes]]:
+    """The (status, body) of each answer in what a connection sent (Content-Length framed)."""
+    out = []
+    while raw:
+        head, rest = raw.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+        out.append((int(head.split(b" ", 2)[1]), rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+def _infer_request() -> bytes:
+    body = _infer_json()
+    return (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+def test_a_client_that_closes_its_sending_side_reads_its_answer(srv: ServerProcess) -> None:
+    """A client may close its side once it has sent its request (`shutdown(SHUT_WR)`, as
+    `nc -N` does) and read the answer (RFC 9112 9.6). uvicorn closed the connection at
+    that end of file, and such a client read nothing, in one process and through front
+    ends alike."""
+    for _ in range(3):
+        with _connect(srv) as s:
+            s.sendall(_infer_request())
+            s.shutdown(socket.SHUT_WR)
+            answers = _answers(_read_all(s))
+        assert [status for status, _ in answers] == [200]
+        assert len(json.loads(answers[0][1])["outputs"][0]["data"]) == 10
+
+
+@pytest.mark.parametrize("after", [b"GARBAGE\x00\r\n\r\n", b" ",
+                                   b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"],
+                         ids=["junk", "a-space", "a-pipelined-get"])
+def test_what_comes_after_a_whole_request_does_not_take_its_answer(
+        srv: ServerProcess, after: bytes) -> None:
+    """Bytes after a whole request, in the same write: junk, or another request. The
+    request is answered first, and only then does what came after it get its own answer
+    (a 400 for what does not parse, or the pipelined request's; through front ends, a
+    request pipelined behind an infer request the dispatch process is asked about is
+    not served: the connection closes after the first answer and the client sends it
+    again). Before, in one process the 400 went out at once, where the client read it as
+    its request's answer, and the answer was lost; through front ends the connection was
+    closed with no answer at all."""
+    with _connect(srv) as s:
+        s.sendall(_infer_request() + after)
+        s.shutdown(socket.SHUT_WR)
+        answers = _answers(_read_all(s))
+    assert answers and answers[0][0] == 200, answers
+    assert len(json.loads(answers[0][1])["outputs"][0]["data"]) == 10
+    rest = [status for status, _ in answers[1:]]
+    if after.startswith(b"GET"):
+        assert rest in ([200], [] if srv.front_ends() else [200])
+    else:
+        assert rest in ([400], [] if srv.front_ends() else [400])
+    assert _serves(srv)
 
 
 # 2 MiB: a reset before the limits read the rest; 64 MiB: before the connection dropped
