@@ -78,6 +78,7 @@ class ConnectionLimits:
     max_connections: int
     retry_after_s: int = 1
     drop_bytes_per_s: float = 0.0  # ServerConfig.dropped_body_bytes_per_s; 0: no pace
+    max_header_bytes: int = 64 << 10  # ServerConfig.max_header_bytes
 
 
 def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
@@ -169,6 +170,10 @@ LATER = object()
 
 #: The scope key of a connection's `answered_later` (set before its check is asked).
 ANSWER_LATER = "dstack.answer_later"
+
+
+MALFORMED = ("malformed HTTP request: the request line, a header, the Content-Length or the "
+             "chunked framing could not be parsed")
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
@@ -360,7 +365,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # client closed its sending side, or pipelined a request behind a LATER one)...
         self._last = False
         self._eof = False  # ... the client has closed its sending side
-        self._bad_next = False  # what came after them did not parse: a 400 follows them
+        # what came after them was refused (it did not parse: 400; its header too big: 431):
+        # that answer follows them
+        self._bad_next: tuple[int, str] | None = None
+        self._header_seen = 0  # bytes read since the request being read began, about
 
     # -- connection
 
@@ -423,19 +431,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # come after a whole request still being answered get their 400 after its answer
         # (uvicorn wrote it at once, where the client read it as that request's answer, which
         # was then lost).
+        self._refuse_unread(400, MALFORMED)
+
+    def _refuse_unread(self, status: int, message: str) -> None:
+        """Answer a request that cannot be read, and close the connection after lingering.
+        After a whole request still being answered, this answer waits for that one's."""
+        self._in_header = False
+        self._disarm()
         if self._owes_earlier():
-            self._bad_next = True
-            self._in_header = False
-            self._disarm()
+            self._bad_next = (status, message)
             self._waiting.pop(self, None)
             return
-        self._refuse_unparsed()
-
-    def _refuse_unparsed(self) -> None:
-        self._disarm()
-        self.transport.write(error_response(
-            400, "malformed HTTP request: the request line, a header, the Content-Length "
-                 "or the chunked framing could not be parsed"))
+        self.transport.write(error_response(status, message))
         self._drop_unread()
         self._linger()
 
@@ -493,19 +500,28 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope[RECEIVED_AT] = time.monotonic()  # type: ignore[literal-required]
         self._in_header = True
+        self._header_seen = 0
         if self._timer is None:  # a kept-alive connection's next request (the first is armed)
             self._arm(self.limits.header_timeout_s, self._header_timed_out)
             if self in self._waiting:  # idle until now: its header's wait starts now
                 self._wait_for_header()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering or self._last or self._bad_next:  # nothing more is served
+        if self._lingering or self._last or self._bad_next is not None:  # nothing more is served
             return
         cycle = self.cycle
         if (self._big and self._reading_body and self.limits.drop_bytes_per_s > 0
                 and (self._answered_here or (cycle is not None and cycle.response_complete))):
             self._pace_drop(len(data))  # answered already: the rest of the body is dropped
         self._feed(data)
+        if self._in_header:  # the header goes on past this read
+            self._header_seen += len(data)
+            if self._header_seen > self.limits.max_header_bytes:
+                self.logger.warning("Request header too large.")
+                self._refuse_unread(431, (
+                    f"request header over {self.limits.max_header_bytes} bytes (the "
+                    f"server's max_header_bytes)"))
+                return
         if (self._answered_here and self._body_left > 0 and self._sink_ok()
                 and not self.transport.is_closing()):
             self._drop_in_kernel()  # answered from its header, and more of its body to come
@@ -897,9 +913,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if (self._reading_body or self.pipeline or self.transport.is_closing()
                 or (cycle is not None and not cycle.response_complete)):
             return
-        if self._bad_next:  # what came after the requests just answered did not parse
-            self._bad_next = False
-            self._refuse_unparsed()
+        if self._bad_next is not None:  # what came after the requests just answered
+            status, message = self._bad_next
+            self._bad_next = None
+            self._refuse_unread(status, message)
         elif self._last:
             self._close_softly()
         elif self not in self._waiting:
@@ -1058,7 +1075,8 @@ def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
     into what `body_store` gives (else new `bytes`)."""
     cfg = cfg or ServerConfig()
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
-                              drop_bytes_per_s=cfg.dropped_body_bytes_per_s)
+                              drop_bytes_per_s=cfg.dropped_body_bytes_per_s,
+                              max_header_bytes=cfg.max_header_bytes)
     if header_check is None:
         header_check = getattr(getattr(app, "state", None), "header_refusal", None)
     return uvicorn.Config(

@@ -128,6 +128,12 @@ class FrameReader(asyncio.BufferedProtocol, abc.ABC):
             mlen, plen = HEAD.unpack_from(buf, at)
             start = at + HEAD.size
             if n - start < mlen:
+                if HEAD.size + mlen > len(buf):  # a meta bigger than the buffer (a request's
+                    # long headers): a buffer that holds it, else the link stalls and dies
+                    self._buf = bytearray(HEAD.size + mlen + READ_BYTES)
+                    self._buf[:n - at] = buf[at:n]
+                    self._n = n - at
+                    return
                 break
             meta = orjson.loads(memoryview(buf)[start:start + mlen])
             start += mlen

@@ -54,6 +54,10 @@ class ServerConfig(_Strict):
     """Bytes of request bodies held in memory at once, all requests together. A request
     whose Content-Length does not fit in what is left gets 503 (with Retry-After) before
     its body is read; a chunked body is counted as it arrives."""
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
+    """Largest request header (request line and header fields) read; past it the request
+    gets 431 and the connection closes. A header is read as it comes, so without a bound a
+    client could send tens of MB of one within the header timeout."""
     header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """A client must send a request's whole header within this many seconds of connecting
     (or of the request's first byte on a kept-alive connection); else it is closed."""

@@ -169,6 +169,28 @@ def test_a_client_still_sending_after_the_400_to_an_unparseable_header_reads_it(
     assert srv.text().count("Invalid HTTP request received.") <= max(1, len(srv.front_ends()))
 
 
+@pytest.mark.parametrize("size", [100_000, 64 << 20])
+def test_a_header_over_max_header_bytes_gets_431_and_the_server_goes_on(
+        srv: ServerProcess, size: int) -> None:
+    """A header is read as it comes: with no bound, one GET could send tens of MB of header
+    within the header timeout (32 MB in 10 s here, the server holding it), and through
+    front ends a 100 KB header stopped the front end that read it (its link to the dispatch
+    process could not hold the request: every request on that front end got 503 until it
+    was replaced). Now past `max_header_bytes` (64 KiB by default) the client reads a 431
+    with a JSON error, sent all at once or not; a header under it is served."""
+    head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: "
+    with _connect(srv) as s:
+        s.sendall(head + b"b" * size + b"\r\n\r\n")
+        raw = _read_all(s)
+    assert raw.startswith(b"HTTP/1.1 431"), raw[:200]
+    assert "max_header_bytes" in _json_body(raw)["error"]
+    with _connect(srv) as s:
+        s.sendall(head + b"b" * 48_000 + b"\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)
+        assert [status for status, _ in _answers(_read_all(s))] == [200]
+    assert _serves(srv)
+
+
 def _answers(raw: bytes) -> list[tuple[int, bytes]]:
     """The (status, body) of each answer in what a connection sent (Content-Length framed)."""
     out = []
