@@ -47,6 +47,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import socket
 import time
 import weakref
@@ -171,6 +172,10 @@ LATER = object()
 #: The scope key of a connection's `answered_later` (set before its check is asked).
 ANSWER_LATER = "dstack.answer_later"
 
+
+#: A request's header fields `Upgrade` (`_ignore_upgrade`), and the end of a header.
+_UPGRADE = re.compile(rb"\r\nupgrade[ \t]*:", re.IGNORECASE)
+_HEAD_END = re.compile(rb"\r\n\r\n")
 
 MALFORMED = ("malformed HTTP request: the request line, a header, the Content-Length or the "
              "chunked framing could not be parsed")
@@ -513,6 +518,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if (self._big and self._reading_body and self.limits.drop_bytes_per_s > 0
                 and (self._answered_here or (cycle is not None and cycle.response_complete))):
             self._pace_drop(len(data))  # answered already: the rest of the body is dropped
+        if not self._reading_body:
+            self._ignore_upgrade(data)
         self._feed(data)
         if self._in_header:  # the header goes on past this read
             self._header_seen += len(data)
@@ -525,6 +532,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if (self._answered_here and self._body_left > 0 and self._sink_ok()
                 and not self.transport.is_closing()):
             self._drop_in_kernel()  # answered from its header, and more of its body to come
+
+    def _ignore_upgrade(self, data: bytes | memoryview) -> None:
+        """The server upgrades to nothing (no WebSocket, no h2c), so it ignores a request's
+        `Upgrade` header, as RFC 9110 7.8 lets it: the field's name is altered in the read
+        buffer before the parser sees it. Else httptools takes what follows the header for
+        the new protocol, and the request's body was lost: Java's HttpClient (under Spring's
+        RestClient) sends `Upgrade: h2c` with its requests over http://, and such JSON
+        POSTs were answered 400 "malformed JSON" (uvicorn issue 2722). Only the header in
+        this read is looked at (in the rare header split across reads just there, an
+        Upgrade is left as it was)."""
+        end = _HEAD_END.search(data)
+        for m in _UPGRADE.finditer(data, 0, end.end() if end else len(data)):
+            if isinstance(data, memoryview) and not data.readonly:
+                data[m.start() + 2] = 0x78  # `xpgrade`: a field no one reads
 
     def _feed(self, data: bytes) -> None:
         """uvicorn's `data_received`, but for a request pipelined behind a LATER one, which

@@ -192,11 +192,13 @@ def test_a_header_over_max_header_bytes_gets_431_and_the_server_goes_on(
 
 
 def _answers(raw: bytes) -> list[tuple[int, bytes]]:
-    """The (status, body) of each answer in what a connection sent (Content-Length framed)."""
+    """The (status, body) of each whole answer in `raw` (Content-Length framed)."""
     out = []
-    while raw:
+    while b"\r\n\r\n" in raw:
         head, rest = raw.split(b"\r\n\r\n", 1)
         length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+        if len(rest) < length:
+            break
         out.append((int(head.split(b" ", 2)[1]), rest[:length]))
         raw = rest[length:]
     return out
@@ -221,6 +223,35 @@ def test_a_client_that_closes_its_sending_side_reads_its_answer(srv: ServerProce
             answers = _answers(_read_all(s))
         assert [status for status, _ in answers] == [200]
         assert len(json.loads(answers[0][1])["outputs"][0]["data"]) == 10
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_request_asking_to_upgrade_to_h2c_is_served_with_its_body(
+        srv: ServerProcess, framing: str) -> None:
+    """Java's HttpClient (under Spring's RestClient) sends `Upgrade: h2c` with its requests
+    over http://. The server upgrades to nothing and ignores the field (RFC 9110 7.8), but
+    httptools took the body for the new protocol: the app read an empty body and answered
+    400 "malformed JSON" (uvicorn issue 2722). Now the request is served with its body, and
+    the connection's next request after it too."""
+    body = _infer_json()
+    head = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+            f"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Type: application/json\r\n")
+    if framing == "chunked":
+        request = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + (
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    else:
+        request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with _connect(srv) as s:
+        s.sendall(request)
+        raw = b""
+        while not (answers := _answers(raw)):
+            raw += s.recv(65536)
+        s.sendall(_infer_request())
+        s.shutdown(socket.SHUT_WR)
+        answers = _answers(raw + _read_all(s))
+    assert [status for status, _ in answers] == [200, 200], answers
+    assert all(len(json.loads(a)["outputs"][0]["data"]) == 10 for _, a in answers)
 
 
 @pytest.mark.parametrize("after", [b"GARBAGE\x00\r\n\r\n", b" ",
