@@ -80,6 +80,7 @@ class ConnectionLimits:
     retry_after_s: int = 1
     drop_bytes_per_s: float = 0.0  # ServerConfig.dropped_body_bytes_per_s; 0: no pace
     max_header_bytes: int = 64 << 10  # ServerConfig.max_header_bytes
+    send_timeout_s: float = 30.0  # ServerConfig.send_timeout_s
 
 
 def raise_fd_limit(max_connections: int, headroom: int = 256) -> int:
@@ -374,6 +375,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # that answer follows them
         self._bad_next: tuple[int, str] | None = None
         self._header_seen = 0  # bytes read since the request being read began, about
+        self._send_stall: asyncio.TimerHandle | None = None  # while answers wait for the client
 
     # -- connection
 
@@ -387,6 +389,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._send_stall is not None:
+            self._send_stall.cancel()
+            self._send_stall = None
         self._whole = None
         self._stop_sink()
         dup, self._dup = self._dup, None
@@ -514,6 +519,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering or self._last or self._bad_next is not None:  # nothing more is served
             return
+        if self.flow.write_paused:  # (reading was resumed for another reason meanwhile)
+            self.flow.pause_reading()
         cycle = self.cycle
         if (self._big and self._reading_body and self.limits.drop_bytes_per_s > 0
                 and (self._answered_here or (cycle is not None and cycle.response_complete))):
@@ -532,6 +539,41 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if (self._answered_here and self._body_left > 0 and self._sink_ok()
                 and not self.transport.is_closing()):
             self._drop_in_kernel()  # answered from its header, and more of its body to come
+
+    def pause_writing(self) -> None:
+        """The client takes its answers more slowly than they come: read no more of its
+        requests until it catches up (`resume_writing`), and disconnect it if it takes
+        nothing for `send_timeout_s`. uvicorn's answers wait for the drain; those this
+        connection writes itself (refusals from the header) did not, and a client
+        pipelining small requests without reading its answers made the server hold them
+        all (1,000,000 refused: the server's RSS from 71 to 497 MB). The keep-alive
+        timeout is off meanwhile: such a connection is not idle."""
+        super().pause_writing()
+        self.flow.pause_reading()
+        self._unset_keepalive_if_required()
+        if self._send_stall is None:
+            self._send_stall = self.loop.call_later(self.limits.send_timeout_s,
+                                                    self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_stall is not None:
+            self._send_stall.cancel()
+            self._send_stall = None
+        # unless a check answers LATER, a body is dropped in the kernel, or a pipelined
+        # request waits: each resumes reading itself when it is done
+        if self._later is None and self._sink is None and not self.pipeline:
+            self.flow.resume_reading()
+        cycle = self.cycle
+        if not (self._in_header or self._reading_body
+                or (cycle is not None and not cycle.response_complete)):
+            self._keep_alive()  # between requests
+
+    def _send_timed_out(self) -> None:
+        self._send_stall = None
+        self.logger.warning("A client took none of its answers for %g s: disconnected.",
+                            self.limits.send_timeout_s)
+        self.transport.abort()
 
     def _ignore_upgrade(self, data: bytes | memoryview) -> None:
         """The server upgrades to nothing (no WebSocket, no h2c), so it ignores a request's
@@ -793,10 +835,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._close_after = False
             self._close_softly()
             return
-        if self.timeout_keep_alive_task is None and not self.transport.is_closing():
+        self._keep_alive()
+        self._wait_if_idle()
+
+    def _keep_alive(self) -> None:
+        """Arm uvicorn's keep-alive timeout for a connection between requests, unless its
+        answers wait for the client to take them (`pause_writing`): that is not idle."""
+        if (self.timeout_keep_alive_task is None and not self.flow.write_paused
+                and not self.transport.is_closing()):
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler)
-        self._wait_if_idle()
 
     # -- dropped bodies
 
@@ -1097,7 +1145,8 @@ def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
     cfg = cfg or ServerConfig()
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
                               drop_bytes_per_s=cfg.dropped_body_bytes_per_s,
-                              max_header_bytes=cfg.max_header_bytes)
+                              max_header_bytes=cfg.max_header_bytes,
+                              send_timeout_s=cfg.send_timeout_s)
     if header_check is None:
         header_check = getattr(getattr(app, "state", None), "header_refusal", None)
     return uvicorn.Config(

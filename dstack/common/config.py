@@ -63,6 +63,10 @@ class ServerConfig(_Strict):
     (or of the request's first byte on a kept-alive connection); else it is closed."""
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """An upload that sends no byte for this many seconds gets 408 and is closed."""
+    send_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """A client that takes none of its answers for this many seconds, while the server holds
+    more of them than its socket takes, is disconnected (nginx's `send_timeout`). Meanwhile
+    the server reads no more of its requests."""
     max_connections: Annotated[int, Field(ge=1)] = 1000
     """Open client connections at most. At the cap a new connection closes the one that
     has waited longest for a request header (half sent, or idle between requests); when

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ class RefusingBackend(FakeBackend):
 
 @contextmanager
 def _serving(auth_token: str | None = None, backend: RefusingBackend | None = None,
-             tls: dict[str, str] | None = None,
+             tls: dict[str, str] | None = None, server: dict[str, Any] | None = None,
              ) -> Iterator[tuple[tuple[str, int], RefusingBackend]]:
     import uvicorn
 
@@ -71,7 +72,8 @@ def _serving(auth_token: str | None = None, backend: RefusingBackend | None = No
     cfg = parse_config({"models": [{"name": "double"}],
                         "server": {"max_body_bytes": 4 * BODY, "body_budget_bytes": 8 * BODY,
                                    "header_timeout_s": 5, "body_timeout_s": 5,
-                                   "dropped_body_bytes_per_s": 2_000_000, **(tls or {})}})
+                                   "dropped_body_bytes_per_s": 2_000_000, **(tls or {}),
+                                   **(server or {})}})
     backend = backend or RefusingBackend()
     app = build_app(cfg, backend, auth_token=auth_token, start_runtime=False)
     server = uvicorn.Server(server_config(app, cfg.server, log_level="critical"))
@@ -144,6 +146,66 @@ def test_a_refused_request_is_answered_before_its_body_and_the_connection_is_kep
             assert json.loads(body)["outputs"][0]["data"] == [2, 4, 6]
     finally:
         backend.refusal = None
+
+
+def _small_window(addr: tuple[str, int]) -> socket.socket:
+    """A connection with small socket buffers (set before connecting): what a client that
+    does not read holds up fills them soon."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    s.settimeout(10)
+    s.connect(addr)
+    return s
+
+
+def _send_until_stalled(s: socket.socket, data: bytes, limit: int) -> int:
+    """Send `data` over and over (at most `limit` bytes) until the server has taken none of
+    it for 0.3 s; the bytes sent."""
+    s.setblocking(False)
+    sent, stalled_at = 0, None
+    while sent < limit:
+        try:
+            sent += s.send(data[sent % len(data):])
+            stalled_at = None
+        except BlockingIOError:
+            stalled_at = stalled_at or time.monotonic()
+            if time.monotonic() - stalled_at > 0.3:
+                break
+            time.sleep(0.01)
+    s.setblocking(True)
+    return sent
+
+
+def test_a_client_that_pipelines_without_reading_is_held_back_then_disconnected() -> None:
+    """Refusals written from the header did not wait for the client to take them: a client
+    pipelining 1,000,000 small requests without reading its answers made the server hold
+    them all (RSS 71 -> 497 MB). Now the server reads no more of a client's requests while
+    its answers wait (the client's sends stall far short of what it would send), every
+    answer comes once the client reads, and a client that takes none for
+    `send_timeout_s` is disconnected."""
+    backend = RefusingBackend()
+    backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: queue full")
+    request = _head(2) + b"{}"
+    batch, limit = request * 1000, 1_000_000 * len(request)
+    with _serving(backend=backend, server={"send_timeout_s": 1.0}) as (addr, _):
+        with _small_window(addr) as s:
+            sent = _send_until_stalled(s, batch, limit)
+            assert sent < limit // 4, "the server read on while its answers piled up"
+            whole = sent // len(request)  # (the last may be cut short: never answered)
+            answers, tail = 0, b""
+            while answers < whole and (chunk := s.recv(1 << 20)):
+                answers += (tail + chunk).count(b"HTTP/1.1 429 ")
+                tail = chunk[-12:]
+            assert answers == whole
+        with _small_window(addr) as s:
+            whole = _send_until_stalled(s, batch, limit) // len(request)
+            time.sleep(1.5)  # takes nothing, then what is left
+            raw = b""
+            with pytest.raises(ConnectionResetError):
+                while chunk := s.recv(1 << 20):
+                    raw += chunk
+            assert raw.count(b"HTTP/1.1 429 ") < whole  # the rest was never read
 
 
 def test_a_request_whose_deadline_goes_by_while_its_body_arrives_is_refused_then(
