@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import zlib
 from collections.abc import Callable, Iterable
 
 import orjson
@@ -89,10 +90,23 @@ def closes_after(scope: Scope) -> bool:
     return b"close" in conn
 
 
+#: zlib's window bits for a body in gzip or zlib ("deflate" in HTTP) format, told apart by
+#: its header.
+_GZIP_OR_ZLIB = 32 + 15
+#: Bytes decompressed at a time, each counted against the limit and the budget first.
+DECODE_STEP_BYTES = 1 << 20
+
+
 class BodyLimits:
     """Reads each request's body before the app runs, within `max_body_bytes` and the
     shared `budget`, and hands it to the app whole; the budget is given back when the app
-    has answered."""
+    has answered.
+
+    A body sent compressed (`Content-Encoding: gzip` or `deflate`, as tritonclient's
+    `request_compression_algorithm` sends it, and Triton reads it) is decompressed here,
+    a step at a time in a thread, the decompressed bytes held to the same limit and budget
+    (a small body that decompresses to gigabytes is refused 413 at the limit); the app gets
+    it plain, its `content-encoding` gone from the headers. Another encoding: 415."""
 
     def __init__(self, app: ASGIApp, *, max_body_bytes: int, budget: BodyBudget,
                  retry_after_s: int = 1,
@@ -144,12 +158,60 @@ class BodyLimits:
                     break
             body = pieces.result()
             del pieces
+            encoding = header(scope, b"content-encoding")
+            if encoding is not None and encoding.strip().lower() != b"identity":
+                decoded = await self._decoded(scope, send, encoding, body)
+                if decoded is None:
+                    return  # refused (answered)
+                body, plain = decoded
+                taken += plain
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.budget.give(taken)
             self.trims.big_in_flight -= big
             if taken >= TRIM_AFTER_BYTES:
                 self.trims.request()
+
+    async def _decoded(self, scope: Scope, send: Send, encoding: bytes,
+                       body: bytes) -> tuple[bytes, int] | None:
+        """`body` decompressed, and the budget taken for it; None when it was refused
+        (answered: 415, 400, 413 or 503)."""
+        name = encoding.strip().lower().decode("latin-1")
+        if name not in ("gzip", "x-gzip", "deflate"):
+            await refuse(scope, send, 415, f"Content-Encoding {name!r} is not supported: send "
+                                           f"the body as it is, or gzip or deflate")
+            return None
+        d = zlib.decompressobj(_GZIP_OR_ZLIB)
+        pieces: list[bytes] = []
+        taken, data, ok = 0, body, False
+        try:
+            while data and not d.eof:
+                piece = await asyncio.to_thread(d.decompress, data, DECODE_STEP_BYTES)
+                data = d.unconsumed_tail
+                if taken + len(piece) > self.max_body_bytes:
+                    await self._too_large(scope, send, f"more than {self.max_body_bytes} "
+                                                       f"bytes once decompressed ({name})")
+                    return None
+                if not self.budget.take(len(piece)):
+                    await self._over_budget(scope, send)
+                    return None
+                taken += len(piece)
+                pieces.append(piece)
+            if not d.eof or d.unused_data:
+                await refuse(scope, send, 400, f"request body ({name}) does not end where its "
+                                               f"compressed stream does")
+                return None
+            ok = True
+        except zlib.error as e:
+            await refuse(scope, send, 400, f"request body is not valid {name}: {e}")
+            return None
+        finally:
+            if not ok:
+                self.budget.give(taken)  # refused: given back now
+        scope["headers"] = [(k, v) for k, v in scope["headers"]
+                            if k not in (b"content-encoding", b"content-length")]
+        scope["headers"].append((b"content-length", str(taken).encode()))
+        return b"".join(pieces), taken
 
     async def _too_large(self, scope: Scope, send: Send, size: str) -> None:
         await refuse(scope, send, 413,

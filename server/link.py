@@ -498,7 +498,8 @@ class SharedBodies:
         """The connection's `body_store`: a binary infer body goes here while it fits."""
         if (not self.enabled or scope.get("method") != "POST"
                 or INFER_PATH.match(scope["path"]) is None
-                or not any(k == b"inference-header-content-length" for k, _ in scope["headers"])):
+                or not any(k == b"inference-header-content-length" for k, _ in scope["headers"])
+                or any(k == b"content-encoding" for k, _ in scope["headers"])):  # decoded first
             return None
         body = self.take(n)
         return None if body is None else (body, body.view)

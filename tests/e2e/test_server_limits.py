@@ -4,6 +4,7 @@ test_connection_cap.py."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import re
@@ -399,6 +400,42 @@ def test_tritonclient_with_the_token(srv: ServerProcess) -> None:
         client.infer("tiny_cnn", [inp])
     client.close()
 
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_compressing_its_requests_gets_the_same_answers(
+        srv: ServerProcess, binary: bool) -> None:
+    """tritonclient's `request_compression_algorithm` sends the body gzip- or
+    deflate-compressed (`Content-Encoding`), which Triton reads: answered 400 "malformed
+    JSON" before, in one process and through front ends."""
+    client = httpclient.InferenceServerClient(srv.url)
+    x = np.random.default_rng(0).random((2, 3, 32, 32), np.float32)
+    inp = httpclient.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    plain = client.infer("tiny_cnn", [inp], headers=dict(AUTH)).as_numpy("output")
+    for algorithm in ("gzip", "deflate"):
+        out = client.infer("tiny_cnn", [inp], headers=dict(AUTH),
+                           request_compression_algorithm=algorithm,
+                           response_compression_algorithm=algorithm).as_numpy("output")
+        np.testing.assert_allclose(out, plain, rtol=1e-5)
+    client.close()
+
+
+def test_compressed_bodies_are_held_to_the_limit_once_decompressed(srv: ServerProcess) -> None:
+    """A body is held to `max_body_bytes` as it decompresses: 1 KB of gzip that would
+    decompress to 16 MiB gets 413; a stream cut short or not gzip at all, 400; another
+    encoding, 415. Each names what was wrong, and the server goes on."""
+    bomb = gzip.compress(b"\0" * (64 * MAX_BODY))
+    assert len(bomb) < 32 * 1024
+    status, payload, _ = _post(srv, bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "decompressed" in payload["error"]
+    body = gzip.compress(_infer_json())
+    for data, encoding, want, says in [(body[:-20], "gzip", 400, "does not end"),
+                                       (b"not gzip at all", "gzip", 400, "not valid gzip"),
+                                       (body, "br", 415, "'br' is not supported")]:
+        status, payload, _ = _post(srv, data, {"Content-Encoding": encoding})
+        assert (status, says in payload["error"]) == (want, True), payload
+    assert _post(srv, body, {"Content-Encoding": "gzip"})[0] == 200
+    assert _serves(srv)
 
 
 def _server_ms(headers: dict) -> float:

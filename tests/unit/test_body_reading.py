@@ -5,7 +5,9 @@ budget counted as before, and the memory release held back while big bodies are 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
+import zlib
 from typing import Any
 
 import pytest
@@ -121,6 +123,42 @@ def test_over_the_limit_and_over_the_budget_are_still_refused() -> None:
     sent = asyncio.run(_call(mw, [(b"content-length", b"2000")], [b"y" * 2000]))
     assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
     assert app.bodies == [] and budget.used_bytes == (1 << 20) - 1000
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, zlib.compress], ids=["gzip", "deflate"])
+def test_a_compressed_body_reaches_the_app_plain_and_is_counted_decompressed(
+        compress: Any) -> None:
+    plain = os.urandom(3 << 20)[:2_500_000] + bytes(500_000)  # several decompression steps
+    body = compress(plain)
+    budget = limits.BodyBudget(16 << 20)
+    app = _Recorder(budget)
+    mw = limits.BodyLimits(app, max_body_bytes=4 << 20, budget=budget, release=lambda: None)
+    encoding = b"gzip" if compress is gzip.compress else b"deflate"
+    sent = asyncio.run(_call(mw, [(b"content-length", str(len(body)).encode()),
+                                  (b"content-encoding", encoding)], [body]))
+    assert sent[0]["status"] == 200
+    assert app.bodies == [plain]
+    assert app.used_while_answering == [len(body) + len(plain)]
+    assert budget.used_bytes == 0
+
+
+def test_a_compressed_body_refused_gives_back_what_it_took_of_the_budget() -> None:
+    budget = limits.BodyBudget(8 << 20)
+    app = _Recorder(budget)
+    mw = limits.BodyLimits(app, max_body_bytes=4 << 20, budget=budget, release=lambda: None)
+    for data, want in [(gzip.compress(bytes(5 << 20)), 413),  # over the limit decompressed
+                       (gzip.compress(os.urandom(3 << 20))[:-100], 400)]:  # cut short
+        sent = asyncio.run(_call(mw, [(b"content-length", str(len(data)).encode()),
+                                      (b"content-encoding", b"gzip")], [data]))
+        assert sent[0]["status"] == want
+        assert budget.used_bytes == 0
+    # more than the budget has left once decompressed: 503, before it is all decompressed
+    budget.used_bytes = 6 << 20
+    data = gzip.compress(bytes(3 << 20))
+    sent = asyncio.run(_call(mw, [(b"content-length", str(len(data)).encode()),
+                                  (b"content-encoding", b"gzip")], [data]))
+    assert sent[0]["status"] == 503 and budget.used_bytes == 6 << 20
+    assert app.bodies == []
 
 
 def test_the_memory_release_waits_for_the_last_big_body_in_flight() -> None:
