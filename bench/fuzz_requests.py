@@ -17,15 +17,18 @@ negative, huge, on a JSON tensor; Inference-Header-Content-Length missing, wrong
 negative, non-numeric, beyond the body), `outputs` and `parameters` (binary_data flags
 of the wrong type, classification, shared memory), the encoding (duplicate keys, non-UTF-8
 bytes, a BOM, UTF-16, truncation, flipped bytes, trailing garbage), Content-Type and
-Content-Length headers, chunked bodies, methods, and paths.
+Content-Length headers, Content-Encoding (bodies gzip- or deflate-compressed, cut short,
+or said to be and not), chunked bodies, methods, and paths.
 """
 
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import math
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,7 @@ JUNK: list[Any] = [None, True, False, 0, -1, 1.5, 2**64, -(2**63) - 1, 1e308, ""
 HUGE_SHAPES = [[10**9, 3, 224, 224], [2**31, 3], [2**63, 2**63], [1, 10**12], [10**18],
                [-1, 3], [0, 3], [1, -3], [1.0, 3], [True, 3], ["1", "3"], [], [[1], 3],
                [1] * 70, None, "1,3", {"0": 1}]
+ENCODINGS = ["gzip", "deflate", "GZIP", "x-gzip", "identity", "br", "gzip, gzip", "*", ""]
 CONTENT_TYPES = ["application/json", "application/octet-stream", "text/plain",
                  "application/json; charset=utf-16", "multipart/form-data; boundary=x",
                  "application/x-www-form-urlencoded", "", "\x7f", "application/" + "j" * 300]
@@ -388,6 +392,14 @@ def fuzz_case(rng: random.Random, models: dict[str, dict[str, Any]], *,
     if rng.random() < 0.1:
         headers["Content-Type"] = rng.choice(CONTENT_TYPES)
         done.append(f"content type {headers['Content-Type']!r:.40}")
+    if rng.random() < 0.05:  # compressed, or said to be (the server decompresses gzip, deflate)
+        encoding = rng.choice(ENCODINGS)
+        how = rng.choice(["compressed", "compressed", "as it is", "cut short"])
+        if encoding.lower() in ("gzip", "x-gzip", "deflate") and how != "as it is":
+            packed = zlib.compress(body) if encoding == "deflate" else gzip.compress(body)
+            body = packed if how == "compressed" else packed[:rng.randrange(len(packed))]
+        headers["Content-Encoding"] = encoding
+        done.append(f"content encoding {encoding!r} ({how})")
     if rng.random() < over_limit_rate:  # bigger than the limit: 413, never more memory than that
         body += b" " * (max_body_bytes + 1 - len(body))
         done.append("over the body limit")
