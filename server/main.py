@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from dstack.common.backend import InferenceBackend
 from dstack.common.config import DeployConfig, ServerConfig, frontend_processes, load_config
+from dstack.common.errors import DStackError
 from dstack.common.pauses import freeze_startup_objects, prompt_gil_handoffs
 from dstack.common.slices import available_cores, pin_threads
 from server.app import MODEL_VERSION, create_app
@@ -332,7 +333,8 @@ def _with_frontends(cfg: DeployConfig, cores: int) -> DeployConfig:
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
-    return text if isinstance(e, StartupError | ValueError) else f"{type(e).__name__}: {text}"
+    plain = isinstance(e, StartupError | ValueError | DStackError)  # says what went wrong
+    return text if plain else f"{type(e).__name__}: {text}"
 
 
 def _check_tls_files(cfg: ServerConfig) -> None:

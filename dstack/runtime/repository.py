@@ -135,6 +135,8 @@ async def load(rt: Runtime, m: ModelConfig) -> None:
     except Exception as e:
         sup.remove_models(list(workers))
         rt.repo_state[name] = RepoEntry(name, ModelState.UNAVAILABLE, f"failed to load: {e}")
+        if isinstance(e, RequestError):  # its config's fault (`worker.start_failure`)
+            raise RequestError(f"model {name} failed to load: {e}") from None
         raise BackendError(f"model {name} failed to load: {e}") from e
     await sup.switch(shadows, lambda n: n in core.index and core.running(n))
     now = rt.clock()

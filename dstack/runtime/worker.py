@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from multiprocessing.connection import Connection
 
-from dstack.common.errors import BackendError, Unavailable
+from dstack.common.errors import BackendError, DStackError, RequestError, Unavailable
 from dstack.common.heap import keep_heap
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import SliceSpec, enter_slice, pin_threads, thread_ids
@@ -42,6 +42,19 @@ from dstack.runtime.shm import Arena, ArenaLayout
 from dstack.runtime.upload import CudaInputs, inputs_for
 
 log = logging.getLogger("dstack.runtime.worker")
+
+
+def start_failure(model: str, error: str) -> DStackError:
+    """The error a worker that failed to start (`StartFailed`: its exception, a line, then
+    its traceback) is raised as: its first line; the traceback goes to the debug log. A model
+    the zoo cannot make as configured (weights it cannot read, say) is the config's fault:
+    RequestError (a repository load is answered 400); anything else, Unavailable. (The
+    traceback went to the client too, with the server's file paths in it.)"""
+    first, _, detail = error.partition("\n")
+    if detail:
+        log.debug("worker for %s failed to start: %s", model, error)
+    kind = RequestError if first.startswith("ModelZooError:") else Unavailable
+    return kind(f"worker for {model} failed to start: {first}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +273,7 @@ class WorkerHandle:
                 self._ready_fut.set_result(msg)
         elif isinstance(msg, StartFailed):
             if self._ready_fut and not self._ready_fut.done():
-                self._ready_fut.set_exception(
-                    Unavailable(f"worker for {self.cfg.model} failed to start: {msg.error}")
-                )
+                self._ready_fut.set_exception(start_failure(self.cfg.model, msg.error))
         elif isinstance(msg, (BatchDone, BatchFailed)):
             fut, self._pending = self._pending, None
             self.busy = False

@@ -2,7 +2,8 @@
 and an unload re-plan the lanes and move the other model's slice through a shadow
 worker): tritonclient loads a second model with its config, infers on it, unloads it
 while another model is under light load (which sees no failure), and the index shows
-the states. Bad configs get 400 naming the field, unknown models 404."""
+the states. Bad configs get 400 naming the field (weights that cannot be read too, in one
+line), unknown models 404."""
 
 from __future__ import annotations
 
@@ -73,6 +74,14 @@ def test_load_infer_unload_under_load_and_the_index(module_server: ServerProcess
     assert code == 404 and "nope" in body["error"], body  # type: ignore[index]
     code, body = _post(srv.url, "/v2/repository/models/nope/unload")
     assert code == 404, body
+    # weights that are not weights: 400 in one line (the worker's traceback, with the
+    # server's paths in it, went to the client in a 500), the index says why
+    code, body = _post(srv.url, "/v2/repository/models/tiny_b/load", {"parameters": {
+        "config": json.dumps({**B_CONFIG, "weights": str(srv.log)})}})
+    assert code == 400 and "cannot read weights" in body["error"], body  # type: ignore[index]
+    assert "\n" not in body["error"] and "Traceback" not in body["error"]  # type: ignore[index]
+    state, reason = _states(srv.url)["tiny_b"]
+    assert state == "UNAVAILABLE" and "cannot read weights" in reason
 
     # Load: the index says LOADING while the worker starts, READY after.
     seen: set[str] = set()

@@ -136,6 +136,10 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
                           "no_such_model"),
         "front-end core missing": ([], "server: {port: 0, cores: [4095]}\n" + tiny, None,
                                    "server.cores"),
+        # the worker's traceback was squashed into the line
+        "weights not weights": ([], "server: {port: 0}\nmodels: [{name: tiny_cnn, "
+                                f"slo_ms: 10000, weights: {tmp_path / 'token'}}}]\n", None,
+                                "cannot read weights"),
     }
     procs = {name: _fail_to_start(args, cfg, tmp_path / name.replace(" ", "_"), env)
              for name, (args, cfg, env, _) in cases.items()}
@@ -148,6 +152,7 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
             assert proc.returncode == 2, (name, err)
             assert len(errors) == 1 and errors[0].startswith("error: "), (name, err)
             assert cases[name][3].lower() in errors[0].lower(), (name, errors)
+            assert "Traceback" not in errors[0], (name, errors)
             assert "Traceback" not in err and "serving" not in out + err, (name, err)
         assert "WARNING" in stderr["tls cert missing"]
         assert "without authentication" in stderr["tls cert missing"]
