@@ -60,7 +60,8 @@ class ServerConfig(_Strict):
     client could send tens of MB of one within the header timeout."""
     header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """A client must send a request's whole header within this many seconds of connecting
-    (or of the request's first byte on a kept-alive connection); else it is closed."""
+    (or of the request's first byte on a kept-alive connection), and over TLS complete its
+    handshake within it; else it is closed."""
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """An upload that sends no byte for this many seconds gets 408 and is closed."""
     send_timeout_s: Annotated[float, Field(gt=0)] = 30.0

@@ -702,6 +702,23 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
+def test_over_tls_a_connection_that_never_begins_its_handshake_is_closed_in_the_header_timeout(
+        tmp_path: Path) -> None:
+    """A TLS connection reaches the server's protocol (its header timeout, the connection
+    cap) only once its handshake is done; asyncio's and uvloop's handshake timeout, 60 s,
+    held one that never began it that long. Now it is the header timeout."""
+    cert, key = _self_signed(tmp_path)
+    with _serving(tls={"tls_certfile": str(cert), "tls_keyfile": str(key)},
+                  server={"header_timeout_s": 1}) as (addr, _):
+        with socket.create_connection(addr, timeout=15) as s:
+            t0 = time.monotonic()
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - t0 < 5
+
+
 def test_over_tls_big_bodies_are_read_whole_and_refusals_keep_the_connection(
         tmp_path: Path) -> None:
     """The same server over TLS (the event loop reads decrypted bytes through the
