@@ -185,9 +185,11 @@ class BodyLimits:
         pieces: list[bytes] = []
         taken, data, ok = 0, body, False
         try:
-            while data and not d.eof:
+            while not d.eof:
                 piece = await asyncio.to_thread(d.decompress, data, DECODE_STEP_BYTES)
                 data = d.unconsumed_tail
+                if not piece and not data:
+                    break  # the body is spent before its stream ends
                 if taken + len(piece) > self.max_body_bytes:
                     await self._too_large(scope, send, f"more than {self.max_body_bytes} "
                                                        f"bytes once decompressed ({name})")
