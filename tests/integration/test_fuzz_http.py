@@ -11,6 +11,7 @@ HYPOTHESIS_PROFILE=explore for new draws. Below: regression tests for what it fo
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -158,6 +159,30 @@ def exchange(addr: tuple[str, int], data: bytes, timeout_s: float = 5) -> bytes:
     return out
 
 
+def first_answer(addr: tuple[str, int], data: bytes, half_close: bool) -> bytes:
+    """Send `data` (then close the sending side, with `half_close`); the first answer that
+    comes back, whole (Content-Length framed), or what came before the connection ended."""
+    import socket
+
+    with socket.create_connection(addr, timeout=5) as s:
+        s.sendall(data)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        out = b""
+        while True:
+            head, sep, rest = out.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", head) if sep else None
+            if length is not None and len(rest) >= int(length[1]):
+                return out
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+
 BODY = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,3],"data":[1,2,3]}]}'
 POST = b"POST /v2/models/double/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
 
@@ -240,6 +265,26 @@ def test_bytes_beyond_the_content_length_get_a_json_400(wire: tuple[str, int]) -
     out = exchange(wire, raw + b"Content-Length: %d\r\n\r\n" % (len(BODY) - 5) + BODY)
     assert b"HTTP/1.1 400 " in out and b"malformed HTTP request" in out, out
     assert b"text/plain" not in out, out
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(after=st.one_of(st.binary(max_size=64),
+                       st.sampled_from([b" ", b"\r\n", b"GARBAGE\x00\r\n\r\n", b"GET / HT",
+                                        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n",
+                                        POST + b"Content-Length: 10\r\n\r\n{"])),
+       half_close=st.booleans())
+def test_a_request_is_answered_first_whatever_follows_it(
+        wire: tuple[str, int], after: bytes, half_close: bool) -> None:
+    """Bytes after a whole request, in the same write, then the sending side closed or
+    not: the request's own answer comes first (before: the 400 for junk after it came
+    first, read as its answer, and with the side closed nothing came at all)."""
+    keep = POST.replace(b"Connection: close\r\n", b"")
+    raw = keep + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY + after
+    out = first_answer(wire, raw, half_close)
+    status, _, body = parse_status(out)
+    assert status == 200, (after, half_close, out[:300])
+    assert b'"data":[2.0,4.0,6.0]' in body.replace(b" ", b""), body
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
