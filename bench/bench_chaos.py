@@ -253,25 +253,27 @@ def overload(args: argparse.Namespace) -> list[Row]:
     with ExitStack() as stack:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
-        for policy, n, ms, gil in ((p, k, ms, gil) for p in args.policies
-                                   for k in args.frontends
-                                   for ms in ((args.decision_timeouts_ms or [None]) if k > 1
-                                              else [None])
-                                   for gil in args.switch_intervals_ms or [None]):
+        for policy, n, ms, gil, solve in (
+                (p, k, ms, gil, solve) for p in args.policies for k in args.frontends
+                for ms in ((args.decision_timeouts_ms or [None]) if k > 1 else [None])
+                for gil in args.switch_intervals_ms or [None]
+                for solve in args.solve_in or [None]):
             base, slos = mix(policy)
             # server.frontends: n (1 said: a one-process server whatever `auto` would
             # make of this host), server.decision_timeout_ms: ms, server.switch_interval_ms:
-            # gil (None: their defaults)
+            # gil, adapt.solve_in: solve (None: their defaults)
             label = ((policy if n == 1 else f"{policy}+{n}fe")
                      + (f"+{ms:g}ms" if ms is not None else "")
-                     + (f"+gil{gil:g}ms" if gil is not None else ""))
+                     + (f"+gil{gil:g}ms" if gil is not None else "")
+                     + (f"+solve-{solve}" if solve is not None else ""))
+            top = {**args.top, **({"adapt": {"solve_in": solve}} if solve is not None else {})}
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
             server = {**(front or {}), "frontends": n,
                       **({"decision_timeout_ms": ms} if ms is not None else {}),
                       **({"switch_interval_ms": gil} if gil is not None else {})}
             srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
-                                                     top=args.top),
+                                                     top=top),
                                               OUT / f"overload-{label}.log"))
             if load:
                 pin_threads(load)
@@ -381,7 +383,7 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
     late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
     fe_late0, fe_refused0 = frontends_loop_late(lv.srv.host), frontend_refusals(lv.srv.host)
-    t0 = time.monotonic()
+    t0, began = time.monotonic(), time.strftime("%H:%M:%S", time.gmtime())
     load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                 seed=100 * rep + _times(x), procs=LOAD_PROCS)
     ((res, shards_cpu, client_late), terms), floor = run(_with_floor(
@@ -414,7 +416,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     lv.good[x].append(t.ok / args.overload_seconds)
     for m, tm in res.items():
         lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
-    print(f"    round {rep + 1} {policy} {_label(x)}: goodput {lv.good[x][-1]:.1f}/s, "
+    print(f"    round {rep + 1} {policy} {_label(x)} (from {began} UTC): goodput "
+          f"{lv.good[x][-1]:.1f}/s, "
           f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
           f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
           f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
@@ -931,6 +934,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="overload: each server with front ends once per value of "
                         "server.decision_timeout_ms (labelled +Xms; 0: none), side by side "
                         "(default: the server's default, unlabelled)")
+    p.add_argument("--solve-in", choices=["process", "thread"], nargs="+", default=None,
+                   help="overload: each server once per value of adapt.solve_in (where a "
+                        "re-plan is solved; labelled +solve-X), side by side")
     p.add_argument("--switch-intervals-ms", type=float, nargs="+", default=None,
                    help="overload: each server once per value of server.switch_interval_ms "
                         "(the GIL's switch interval in its process; labelled +gilXms), side "

@@ -96,15 +96,20 @@ if step overload; then
   N=$(nproc); mps_start
   t0=$(date +%s)
   # PROFILE=LABEL (e.g. dstack+4fe): py-spy (a carried wheel) samples that server's deciding
-  # process for PROFILE_S s from PROFILE_DELAY s after it starts, without pausing it.
+  # process for PROFILE_S s from PROFILE_DELAY s after it starts, without pausing it, at
+  # PROFILE_RATE a s (100); PROFILE_FORMAT=speedscope keeps every tick in order, idle ones
+  # too, for bench.profile_stalls (what held the loop, stall by stall).
+  PF=${PROFILE_FORMAT:-raw}; PR=${PROFILE_RATE:-100}
   if [ -n "${PROFILE:-}" ]; then
     ( for _ in $(seq 1 300); do
         pid=$(pgrep -f "serve --config .*/overload-${PROFILE//+/\\+}\.yaml" | head -1)
         [ -n "$pid" ] && break; sleep 1; done
       [ -z "${pid:-}" ] && exit 0
       sleep "${PROFILE_DELAY:-20}"
-      py-spy record -p "$pid" -d "${PROFILE_S:-60}" -r 100 --nonblocking -f raw \
-        -o "$OUT/logs/profile.raw" > "$OUT/logs/profile.txt" 2>&1 ) &
+      echo "py-spy from $(date -u +%T) UTC" > "$OUT/logs/profile.txt"
+      py-spy record -p "$pid" -d "${PROFILE_S:-60}" -r "$PR" --nonblocking -f "$PF" \
+        $([ "$PF" = speedscope ] && echo --idle) -o "$OUT/logs/profile.$PF" \
+        >> "$OUT/logs/profile.txt" 2>&1 ) &
   fi
   # shellcheck disable=SC2086
   env $MPS_ENV timeout "${OVERLOAD_S:-480}" python3 -m bench.bench_chaos --only overload \
@@ -119,6 +124,12 @@ if step overload; then
   grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"
   if [ -s "$OUT/logs/profile.raw" ]; then  # where the profiled process's time went
     python3 -m bench.profile_summary "$OUT/logs/profile.raw" --top 15 >> "$OUT/summary.txt"
+  fi
+  if [ -s "$OUT/logs/profile.speedscope" ]; then  # what held it, stall by stall
+    { head -1 "$OUT/logs/profile.txt"
+      python3 -m bench.profile_stalls "$OUT/logs/profile.speedscope" --rate "$PR"; } \
+      > "$OUT/logs/stalls.txt" 2>&1
+    cat "$OUT/logs/stalls.txt" >> "$OUT/summary.txt"; gzip -f "$OUT/logs/profile.speedscope"
   fi
   pack
 fi

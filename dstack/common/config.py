@@ -218,6 +218,11 @@ class AdaptConfig(_Strict):
     down_hold_s: Annotated[float, Field(ge=0)] = 60.0
     """Re-plan for lower rates only once they have stayed low this long (a lull must not
     take slices away from the next burst)."""
+    solve_in: Literal["process", "thread"] = "process"
+    """Where a re-plan is solved: `process`, a small process of its own (started with the
+    server, about 60 MB); `thread`, a thread of the serving process, whose 5-20 ms of
+    Python then share the GIL with the event loop and slow every request it has in hand
+    meanwhile (docs/reliability.md, "thirty-eighth step")."""
 
 
 class DeployConfig(_Strict):

@@ -4,16 +4,30 @@ Demand is what arrives, not what was answered: every request is counted at arriv
 refused ones included (`RateTracker.record` is called before admission), so a closed
 loop or a burst that the current plan refuses still grows the next plan. The solve
 (`dstack.policies.planning.replan`: the lane search, taken only when it predicts more
-than the plan in force for the measured rates) runs in a worker thread; HTTP, health
-checks and dispatch go on meanwhile. The new policy is handed over
-by the runtime in one step on the event loop, after its shadow workers are ready.
+than the plan in force for the measured rates) runs off the event loop: in a process of
+its own (`SolverProcess`, `adapt.solve_in: process`, the default) or in a thread. In a
+thread its 5-20 ms of Python take turns at the GIL with the event loop, which meanwhile
+does a fraction of its work: under load a backlog of that much, every request in hand
+answered or refused that much later. In its own process only the pickled arguments and
+plan (about 16 KB, half a ms) cost the serving process. HTTP, health checks and dispatch
+go on meanwhile. The new policy is handed over by the runtime in one step on the event
+loop, after its shadow workers are ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
 
 from dstack.common.config import DeployConfig
 from dstack.common.slices import SliceBackend
@@ -27,14 +41,76 @@ class StalePlan(Exception):
     """The served models changed (a load or an unload) while the plan was being solved."""
 
 
+T = TypeVar("T")
+
+
+def _solver_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the serving process stops it
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the serving process killed: nothing stops this one but this
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, name="dstack-solver-parent", daemon=True).start()
+
+
+class SolverProcess:
+    """One spawned process that runs the re-plans' solves, one at a time. `start()` when
+    the server starts (before it is ready: spawning an interpreter takes a while) returns
+    its pid; `call(fn, ...)` runs `fn` there (arguments and result pickled, on this
+    machine only); one that died is replaced for the next call; `stop()` ends it."""
+
+    def __init__(self) -> None:
+        self._pool = self._new()
+        self.pid: int | None = None  # the process's, once started
+
+    @staticmethod
+    def _new() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"),
+                                   initializer=_solver_init)
+
+    async def start(self) -> int:
+        self.pid = await self.call(os.getpid)
+        return self.pid
+
+    async def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` in the process; if it has died, in a new one."""
+        pool = self._pool
+        try:
+            return await self._call(pool, fn, *args, **kwargs)
+        except BrokenProcessPool:
+            if self._pool is pool:
+                log.warning("the re-planner's solver process (pid %s) died; starting "
+                            "another", self.pid)
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new()
+                self.pid = await self._call(self._pool, os.getpid)
+            return await self._call(self._pool, fn, *args, **kwargs)
+
+    @staticmethod
+    async def _call(pool: ProcessPoolExecutor, fn: Callable[..., T], /, *args: Any,
+                    **kwargs: Any) -> T:
+        # Submitted from a thread: a submit that starts the process spawns an interpreter.
+        fut = await asyncio.to_thread(pool.submit, fn, *args, **kwargs)
+        return await asyncio.wrap_future(fut)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Replanner:
     """`record(model, now)` on every arrival; `run()` is the sampling loop (a task).
-    `apply(setup, rates)` is the runtime's hand-over: start shadows, switch, swap."""
+    `apply(setup, rates)` is the runtime's hand-over: start shadows, switch, swap. The
+    solve runs in `solver`'s process, or without one in a thread."""
 
     def __init__(self, cfg: DeployConfig, slices: SliceBackend,
                  apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
-                 clock: Callable[[], float], setup: PolicySetup) -> None:
+                 clock: Callable[[], float], setup: PolicySetup,
+                 solver: SolverProcess | None = None) -> None:
         self.cfg = cfg
+        self.solver = solver
         self.setup = setup  # the plan in force
         self.slices = slices
         self._apply = apply
@@ -72,8 +148,10 @@ class Replanner:
         kept) when the solve or the hand-over failed; the reason is logged."""
         self.busy = True
         try:
-            setup = await asyncio.to_thread(replan, self.cfg, self.slices, self.setup,
-                                            origin=self._clock(), rates=rates)
+            solve = functools.partial(replan, self.cfg, self.slices, self.setup,
+                                      origin=self._clock(), rates=rates)
+            setup = await (self.solver.call(solve) if self.solver is not None
+                           else asyncio.to_thread(solve))
             if setup is None:  # the plan in force predicts as much for these rates
                 self.trigger.planned(self._clock(), rates)
                 log.debug("re-plan for %s kept the plan in force", rates)

@@ -63,7 +63,7 @@ from dstack.runtime.messages import BatchDone, Ready
 from dstack.runtime.reading import COUNTS_S as READ_COUNTS_S
 from dstack.runtime.reading import KEPT_S as READING_KEPT_S
 from dstack.runtime.reading import ReadLimit
-from dstack.runtime.replanner import Replanner, StalePlan
+from dstack.runtime.replanner import Replanner, SolverProcess, StalePlan
 from dstack.runtime.repository import ModelState, RepoEntry, model_config
 from dstack.runtime.shm import Arena
 from dstack.runtime.specs import served_spec
@@ -202,6 +202,7 @@ class Runtime:
         self.repo_state: dict[str, RepoEntry] = {}
         self._plan_lock = asyncio.Lock()  # one re-plan, load or unload at a time
         self.replanner: Replanner | None = None
+        self._solver: SolverProcess | None = None  # where the re-planner solves
         # Double buffering (`double_buffer`): each worker's arena halves, by worker.
         self._stagers: weakref.WeakKeyDictionary[WorkerHandle, Stager] = (
             weakref.WeakKeyDictionary())
@@ -248,16 +249,33 @@ class Runtime:
         try:
             await self._start()
         except BaseException:
+            await self._stop_solver()
             self.slices.close()
             raise
+
+    async def _stop_solver(self) -> None:
+        if self._solver is not None:
+            await asyncio.to_thread(self._solver.stop)
+            self._solver = None
 
     async def _start(self) -> None:
         self.setup = await asyncio.to_thread(setup_policy, self.cfg, self.slices,
                                              origin=self._clock())
         policy = self.setup.policy
         slices = policy.slices()
-        ready = await self.supervisor.start_all(
-            slices, passive=passive_models(slices, policy.concurrent))
+        adapts = policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled
+        solver_up = None
+        if adapts and self.cfg.adapt.solve_in == "process":
+            self._solver = SolverProcess()
+            solver_up = asyncio.ensure_future(self._solver.start())  # beside the workers'
+        try:
+            ready = await self.supervisor.start_all(
+                slices, passive=passive_models(slices, policy.concurrent))
+        finally:
+            if solver_up is not None:
+                await asyncio.gather(solver_up, return_exceptions=True)
+        if solver_up is not None:
+            solver_up.result()  # the solver could not start: neither can the server
         estimates = dict(self.setup.estimates)
         for name, info in ready.items():
             # No profile: the worker's warm-up timings seed its estimate.
@@ -269,9 +287,9 @@ class Runtime:
             policy, estimates, now=self._clock(),  # the cycle starts as serving starts
             groups=replica_groups(self.setup.replicas))
         self._placed()
-        if policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled:
+        if adapts:
             self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
-                                       self.setup)
+                                       self.setup, self._solver)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
         self._lag_watch = asyncio.create_task(self._watch_lag(), name="dstack-loop-lag")
@@ -291,6 +309,7 @@ class Runtime:
         if self.core is not None:
             self._fail(self.core.drain(), Unavailable("server is shutting down"))
         await self.supervisor.stop_all()
+        await self._stop_solver()
         self.slices.close()  # stops an MPS daemon the runtime started, after its clients
 
     async def _watch_lag(self) -> None:

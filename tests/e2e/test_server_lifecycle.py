@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.server_process import ROOT, TINY, ServerProcess, launch, wait_ready
+from tests.integration.test_runtime_policies import alive, write_cpu_profiles
 
 LONG_S = 60  # grace and body timeout: far longer than the test may wait for an exit
 INFER = "/v2/models/tiny_cnn/infer"
@@ -189,3 +190,31 @@ def test_a_server_killed_with_its_whole_process_group_leaves_no_shared_memory(
     while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_a_server_killed_alone_leaves_no_process_behind(tmp_path: Path) -> None:
+    """A kill -9 of the server process alone (its group spared, as an OOM kill does): its
+    workers and the re-planner's solver process see it gone and exit, rather than live on
+    as orphans (the solver did, before it watched its parent)."""
+    write_cpu_profiles(tmp_path)
+    srv = launch({"policy": "dstack", "profiles": str(tmp_path),
+                  "models": [{**TINY, "name": "tiny_a", "zoo_name": "tiny_cnn"}]}, tmp_path)
+    children: list[int] = []
+    try:
+        wait_ready(srv)
+        children = [int(p) for t in Path(f"/proc/{srv.pid}/task").iterdir()
+                    for p in (t / "children").read_text().split()]  # from any thread
+        spawned = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(spawned) >= 2, children  # the worker and the solver
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 15
+        while any(alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [c for c in children if alive(c)], [
+            Path(f"/proc/{c}/cmdline").read_text() for c in children if alive(c)]
+    finally:
+        srv.kill()
+        for c in children:
+            if alive(c):
+                os.kill(c, signal.SIGKILL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -281,6 +282,53 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
     asyncio.run(main())
 
 
+def alive(pid: int) -> bool:
+    """A process, not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_replan_is_solved_in_a_process_of_its_own_that_is_replaced_if_it_dies(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The solve's Python must not take turns at the GIL with the event loop: it runs in a
+    child process started with the server. Killed, it is replaced, and that re-plan is
+    solved and handed over all the same; the server's stop ends it."""
+    write_cpu_profiles(tmp_path, ms_per_item=10.0)
+    cfg = config("dstack", tmp_path, slo_ms=3000)
+    cfg["models"][0]["rate_rps"] = 5
+    cfg["models"][1]["rate_rps"] = 5
+    cfg["adapt"] = {"enabled": True, "sample_s": 60}  # re-planned below, not by the sampler
+    cfg = parse_config(cfg)
+
+    async def main() -> int:
+        rt = Runtime(cfg)
+        await rt.start()
+        try:
+            rep = rt.replanner
+            assert rep is not None and rep.solver is not None
+            pid = rep.solver.pid
+            assert pid is not None and pid != os.getpid() and alive(pid)
+            assert f"PPid:\t{os.getpid()}\n" in Path(f"/proc/{pid}/status").read_text()
+            os.kill(pid, signal.SIGKILL)
+            while alive(pid):
+                await asyncio.sleep(0.01)
+            # ~110 rps for tiny_a against the 5 planned: a new plan, taken and handed over
+            assert await rep.replan({"tiny_a": 110.0, "tiny_b": 5.0})
+            again = rep.solver.pid
+            assert again is not None and again != pid and alive(again)
+            return again
+        finally:
+            await rt.stop()
+
+    with caplog.at_level(logging.WARNING, logger="dstack.runtime.replanner"):
+        pid = asyncio.run(main())
+    assert not alive(pid), "the server stopped and left its solver process running"
+    died = [r.getMessage() for r in caplog.records if "solver process" in r.getMessage()]
+    assert len(died) == 1 and "died" in died[0], died
+
+
 def test_a_server_process_that_cannot_be_moved_keeps_serving(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """`dstack serve` moves its process to each plan's `quiet_cores`; a move the kernel
@@ -328,3 +376,4 @@ def test_a_too_slow_latency_estimate_cannot_lock_a_model_out() -> None:
             await rt.stop()
 
     asyncio.run(main())
+
