@@ -218,11 +218,14 @@ class AdaptConfig(_Strict):
     down_hold_s: Annotated[float, Field(ge=0)] = 60.0
     """Re-plan for lower rates only once they have stayed low this long (a lull must not
     take slices away from the next burst)."""
-    solve_in: Literal["process", "thread"] = "process"
+    solve_in: Literal["auto", "process", "thread"] = "auto"
     """Where a re-plan is solved: `process`, a small process of its own (started with the
-    server, about 60 MB); `thread`, a thread of the serving process, whose 5-20 ms of
-    Python then share the GIL with the event loop and slow every request it has in hand
-    meanwhile (docs/reliability.md, "thirty-eighth step")."""
+    server, about 40 MB); `thread`, a thread of the serving process, whose 5-20 ms of
+    Python then take turns at the GIL with the event loop, which falls that far behind.
+    `auto`: a process on a CUDA device, where the loop has a core to itself and every ms
+    it loses delays requests in hand; a thread on a CPU device, where the GIL's turns keep
+    the solve from taking a second core from the workers (docs/reliability.md, "thirty-
+    eighth step")."""
 
 
 class DeployConfig(_Strict):
@@ -293,6 +296,14 @@ def decision_timeout_s(cfg: DeployConfig) -> float:
     if ms is None:
         ms = CUDA_DECISION_TIMEOUT_MS if cfg.device == DeviceKind.CUDA else 0.0
     return ms / 1000
+
+
+def solve_in_process(cfg: DeployConfig) -> bool:
+    """Whether re-plans are solved in a process of their own (`adapt.solve_in`; `auto`:
+    on a CUDA device)."""
+    if cfg.adapt.solve_in == "auto":
+        return cfg.device == DeviceKind.CUDA
+    return cfg.adapt.solve_in == "process"
 
 
 def frontend_processes(cfg: DeployConfig, cores: int) -> int:

@@ -96,6 +96,13 @@ class SolverProcess:
         fut = await asyncio.to_thread(pool.submit, fn, *args, **kwargs)
         return await asyncio.wrap_future(fut)
 
+    def pin(self, cores: tuple[int, ...]) -> None:
+        """Keep the process on `cores`: where the serving process is kept, so that a solve
+        takes no more from the workers' cores than it did in a thread of it."""
+        if self.pid is not None:
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                os.sched_setaffinity(int(tid), cores)
+
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from dstack.common.backend import ModelStats
-from dstack.common.config import DeployConfig, ModelConfig, PolicyName
+from dstack.common.config import DeployConfig, ModelConfig, PolicyName, solve_in_process
 from dstack.common.errors import (
     BackendError,
     DeadlineRefused,
@@ -265,7 +265,7 @@ class Runtime:
         slices = policy.slices()
         adapts = policy.name is PolicyName.DSTACK and self.cfg.adapt.enabled
         solver_up = None
-        if adapts and self.cfg.adapt.solve_in == "process":
+        if adapts and solve_in_process(self.cfg):
             self._solver = SolverProcess()
             solver_up = asyncio.ensure_future(self._solver.start())  # beside the workers'
         try:
@@ -274,8 +274,9 @@ class Runtime:
         finally:
             if solver_up is not None:
                 await asyncio.gather(solver_up, return_exceptions=True)
-        if solver_up is not None:
-            solver_up.result()  # the solver could not start: neither can the server
+        if solver_up is not None:  # the solver could not start: neither can the server
+            log.info("re-plans solved in process %d (adapt.solve_in: %s)",
+                     solver_up.result(), self.cfg.adapt.solve_in)
         estimates = dict(self.setup.estimates)
         for name, info in ready.items():
             # No profile: the worker's warm-up timings seed its estimate.
@@ -465,6 +466,8 @@ class Runtime:
         cores = self.quiet_cores()
         try:
             self.on_plan(cores)
+            if self._solver is not None:
+                self._solver.pin(cores)
         except OSError as e:  # a core taken offline since start-up: serving goes on
             log.warning("could not move the server's process to cores %s: %s", list(cores), e)
 

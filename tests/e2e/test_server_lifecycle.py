@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -192,16 +193,35 @@ def test_a_server_killed_with_its_whole_process_group_leaves_no_shared_memory(
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
-def test_a_server_killed_alone_leaves_no_process_behind(tmp_path: Path) -> None:
-    """A kill -9 of the server process alone (its group spared, as an OOM kill does): its
-    workers and the re-planner's solver process see it gone and exit, rather than live on
-    as orphans (the solver did, before it watched its parent)."""
+def _cores(pid: int) -> set[int]:
+    """The cores a process's main thread may run on."""
+    listed = Path(f"/proc/{pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+    out: set[int] = set()
+    for part in listed.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_the_solver_sits_with_the_server_and_a_server_killed_alone_leaves_no_process(
+        tmp_path: Path) -> None:
+    """The re-planner's solver process is kept on the server's own cores (where its solves
+    cost the workers least, as they did in a thread of the server). A kill -9 of the
+    server process alone (its group spared, as an OOM kill does): its workers and the
+    solver see it gone and exit, rather than live on as orphans (the solver did, before it
+    watched its parent)."""
     write_cpu_profiles(tmp_path)
-    srv = launch({"policy": "dstack", "profiles": str(tmp_path),
-                  "models": [{**TINY, "name": "tiny_a", "zoo_name": "tiny_cnn"}]}, tmp_path)
+    two = [{**TINY, "name": n, "zoo_name": "tiny_cnn", "rate_rps": 5, "slo_ms": slo}
+           for n, slo in (("tiny_a", 10000), ("tiny_b", 5000))]  # the server beside tiny_a
+    srv = launch({"policy": "dstack", "profiles": str(tmp_path), "models": two,
+                  "adapt": {"solve_in": "process"}}, tmp_path)  # (auto: a thread on CPU)
     children: list[int] = []
     try:
         wait_ready(srv)
+        solver = int(re.search(r"re-plans solved in process (\d+)", srv.text())[1])  # type: ignore[index]
+        if len(os.sched_getaffinity(0)) >= 2:  # a core each model's: the server on one
+            assert _cores(srv.pid) < os.sched_getaffinity(0)
+        assert _cores(solver) == _cores(srv.pid)
         children = [int(p) for t in Path(f"/proc/{srv.pid}/task").iterdir()
                     for p in (t / "children").read_text().split()]  # from any thread
         spawned = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]

@@ -299,7 +299,8 @@ def test_a_replan_is_solved_in_a_process_of_its_own_that_is_replaced_if_it_dies(
     cfg = config("dstack", tmp_path, slo_ms=3000)
     cfg["models"][0]["rate_rps"] = 5
     cfg["models"][1]["rate_rps"] = 5
-    cfg["adapt"] = {"enabled": True, "sample_s": 60}  # re-planned below, not by the sampler
+    # re-planned below, not by the sampler; in a process (`auto` would be a thread on CPU)
+    cfg["adapt"] = {"enabled": True, "sample_s": 60, "solve_in": "process"}
     cfg = parse_config(cfg)
 
     async def main() -> int:

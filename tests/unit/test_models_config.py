@@ -17,6 +17,7 @@ from dstack.common.config import (
     frontend_processes,
     load_config,
     parse_config,
+    solve_in_process,
 )
 from dstack.runtime.specs import served_spec
 
@@ -150,6 +151,21 @@ def test_a_front_ends_bound_on_the_decision_defaults_by_device() -> None:
     assert bound_s("cuda") == 0.003 and bound_s("cpu") == 0.0
     assert bound_s("cuda", decision_timeout_ms=0) == 0.0
     assert bound_s("cpu", decision_timeout_ms=5) == 0.005
+
+
+def test_replans_are_solved_in_a_process_by_default_on_cuda_and_in_a_thread_on_cpu() -> None:
+    """`adapt.solve_in: auto`: a process of its own on a CUDA device (the deciding loop
+    loses no turns at the GIL), a thread on a CPU device (the GIL keeps the solve off a
+    second core the workers compute on); a value given is used on either; another is an
+    error naming the field."""
+    def in_process(device: str, **adapt: str) -> bool:
+        return solve_in_process(parse_config({
+            "device": device, "adapt": adapt, "models": [{"name": "tiny_cnn"}]}))
+
+    assert in_process("cuda") and not in_process("cpu")
+    assert in_process("cpu", solve_in="process") and not in_process("cuda", solve_in="thread")
+    with pytest.raises(ConfigError, match="adapt.solve_in"):
+        in_process("cpu", solve_in="ray")
 
 
 def test_the_gil_switch_interval_defaults_to_half_a_ms_and_must_be_positive() -> None:
