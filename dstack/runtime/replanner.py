@@ -4,13 +4,15 @@ Demand is what arrives, not what was answered: every request is counted at arriv
 refused ones included (`RateTracker.record` is called before admission), so a closed
 loop or a burst that the current plan refuses still grows the next plan. The solve
 (`dstack.policies.planning.replan`: the lane search, taken only when it predicts more
-than the plan in force for the measured rates) runs off the event loop: in a process of
-its own (`SolverProcess`, `adapt.solve_in: process`, the default) or in a thread. In a
-thread its 5-20 ms of Python take turns at the GIL with the event loop, which meanwhile
-does a fraction of its work: under load a backlog of that much, every request in hand
-answered or refused that much later. In its own process only the pickled arguments and
-plan (about 16 KB, half a ms) cost the serving process. HTTP, health checks and dispatch
-go on meanwhile. The new policy is handed over by the runtime in one step on the event
+than the plan in force for the measured rates) runs off the event loop, in a process of
+its own (`SolverProcess`; `adapt.solve_in`, by default on a CUDA device) or in a thread
+(by default on a CPU device). In a thread its 5-20 ms of Python take turns at the GIL
+with the event loop, which meanwhile does a fraction of its work: under load it falls that
+far behind, and every request in hand is answered or refused that much later. In its own
+process only the pickled arguments and plan (about 16 KB, half a ms) cost the serving
+process; but on a CPU device it then takes a core's time beside the loop from the
+workers, where the GIL let the two take turns. HTTP, health checks and dispatch go on
+meanwhile. The new policy is handed over by the runtime in one step on the event
 loop, after its shadow workers are ready.
 """
 
@@ -60,7 +62,7 @@ class SolverProcess:
     """One spawned process that runs the re-plans' solves, one at a time. `start()` when
     the server starts (before it is ready: spawning an interpreter takes a while) returns
     its pid; `call(fn, ...)` runs `fn` there (arguments and result pickled, on this
-    machine only); one that died is replaced for the next call; `stop()` ends it."""
+    machine only), in a new process if it has died; `stop()` ends it."""
 
     def __init__(self) -> None:
         self._pool = self._new()
@@ -99,9 +101,13 @@ class SolverProcess:
     def pin(self, cores: tuple[int, ...]) -> None:
         """Keep the process on `cores`: where the serving process is kept, so that a solve
         takes no more from the workers' cores than it did in a thread of it."""
-        if self.pid is not None:
+        if self.pid is None:
+            return
+        try:
             for tid in os.listdir(f"/proc/{self.pid}/task"):
                 os.sched_setaffinity(int(tid), cores)
+        except (FileNotFoundError, ProcessLookupError):  # died: the next call replaces it
+            pass
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
