@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
@@ -25,7 +27,7 @@ import uvloop
 from dstack.common.config import load_config
 from dstack.common.pauses import SWITCH_INTERVAL_S
 from dstack.common.slices import MpsSlices
-from dstack.policies.planning import replan, served_profiles, setup_policy
+from dstack.policies.planning import PolicySetup, replan, served_profiles, setup_policy
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/bench-mix-h100-dstack.yaml"
 TURN_S = 0.001
@@ -43,22 +45,28 @@ async def _busy(share: float, stop: asyncio.Event, lates: list[float]) -> None:
         lates.append(max(0.0, time.perf_counter() - due))
 
 
-async def _measure(replans: int, share: float) -> tuple[list[float], list[float], list[int]]:
+def replan_of_the_h100_mix(k: int) -> Callable[[], PolicySetup | None]:
+    """The `k`-th re-plan of the H100 mix the benchmarks solve: rates 10x the mix's, 10%
+    more each time."""
     cfg = load_config(CONFIG)
     backend = MpsSlices(100)
     current = setup_policy(cfg, backend, origin=0.0,
                            profiles=served_profiles(cfg, check_device=False))
-    base = {m.name: 10.0 * m.rate_rps for m in cfg.models}
+    rates = {m.name: 10.0 * m.rate_rps * (1 + 0.1 * k) for m in cfg.models}
+    return functools.partial(replan, cfg, backend, current, origin=0.0, rates=rates)
+
+
+async def _measure(replans: int, share: float) -> tuple[list[float], list[float], list[int]]:
+    solves = [replan_of_the_h100_mix(k) for k in range(replans)]  # set up before the loop runs
     stop = asyncio.Event()
     lates: list[float] = []
     busy = asyncio.create_task(_busy(share, stop, lates))
     await asyncio.sleep(0.2)
     worst, walls, held = [], [], []
-    for k in range(replans):
+    for solve in solves:
         seen = len(lates)
         t = time.perf_counter()
-        rates = {m: r * (1 + 0.1 * k) for m, r in base.items()}
-        await asyncio.to_thread(replan, cfg, backend, current, origin=0.0, rates=rates)
+        await asyncio.to_thread(solve)
         walls.append(time.perf_counter() - t)
         await asyncio.sleep(2 * TURN_S)  # the loop's turn that the re-plan's end held
         worst.append(max(lates[seen:], default=0.0))

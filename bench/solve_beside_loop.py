@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from dstack.common.config import load_config
+from bench.gil_handoff import replan_of_the_h100_mix
 from dstack.common.pauses import SWITCH_INTERVAL_S
-from dstack.common.slices import MpsSlices
-from dstack.policies.planning import replan, served_profiles, setup_policy
 from dstack.runtime.replanner import SolverProcess
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs/bench-mix-h100-dstack.yaml"
 Solve = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
@@ -62,11 +57,7 @@ async def _serve(period_s: float, busy_s: float, stop: asyncio.Event,
 
 async def _measure(solve: Solve, replans: int, period_s: float,
                    busy_s: float) -> tuple[list[float], list[float], float]:
-    cfg = load_config(CONFIG)
-    backend = MpsSlices(100)
-    current = setup_policy(cfg, backend, origin=0.0,
-                           profiles=served_profiles(cfg, check_device=False))
-    base = {m.name: 10.0 * m.rate_rps for m in cfg.models}
+    solves = [replan_of_the_h100_mix(k) for k in range(replans)]  # set up before the loop runs
     stop = asyncio.Event()
     done: list[tuple[float, float]] = []
     server = asyncio.create_task(_serve(period_s, busy_s, stop, done))
@@ -75,10 +66,9 @@ async def _measure(solve: Solve, replans: int, period_s: float,
     await asyncio.sleep(0.3)  # the control: as long a window without a solve
     calm = max((late for due, late in done if due >= t), default=0.0)
     worst, walls = [], []
-    for k in range(replans):
-        rates = {m: r * (1 + 0.1 * k) for m, r in base.items()}
+    for one in solves:
         t = time.perf_counter()
-        await solve(functools.partial(replan, cfg, backend, current, origin=0.0, rates=rates))
+        await solve(one)
         end = time.perf_counter()
         walls.append(end - t)
         await asyncio.sleep(0.3)  # the loop catches up
