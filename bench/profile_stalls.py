@@ -38,8 +38,8 @@ class Stall:
         """`outer`: frames the thread is in while idle too (the loop's own), left out."""
         shared = _shared_prefix(self.stacks)
         inclusive: Counter[str] = Counter()
-        for s in self.stacks:
-            inclusive.update(set(s[shared:]) - outer)
+        for s in self.stacks:  # each frame once a stack, ties outermost first (not hash order)
+            inclusive.update(f for f in dict.fromkeys(s[shared:]) if f not in outer)
         leaf = Counter(s[-1] for s in self.stacks)
         n = len(self.stacks)
         return (f"from {self.start / rate:8.3f} s, {1000 * n / rate:6.1f} ms: in "

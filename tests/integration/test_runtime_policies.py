@@ -286,7 +286,7 @@ def alive(pid: int) -> bool:
     """A process, not a zombie."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped while being read
         return False
 
 
