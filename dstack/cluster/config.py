@@ -69,7 +69,8 @@ class NodeConfig(_Strict):
 
 class RayConfig(_Strict):
     address: str | None = None
-    """An existing Ray cluster (`auto`, `127.0.0.1:6379`); none: start a local one."""
+    """An existing Ray cluster (`127.0.0.1:6379`; `auto`: the one RAY_ADDRESS or the last
+    `ray start` names); none: start a local one of its own."""
     host: str = "127.0.0.1"
     """Address a local Ray binds (loopback unless you mean otherwise)."""
 

@@ -149,7 +149,9 @@ def start_ray(cfg: ClusterConfig) -> None:
         if cfg.ray.address:
             ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(_node_ip_address=cfg.ray.host, include_dashboard=False,
+            # "local": not the cluster RAY_ADDRESS or /tmp/ray's last one names (the
+            # default), which may be another's, or dead: minutes of retries, then no start
+            ray.init(address="local", _node_ip_address=cfg.ray.host, include_dashboard=False,
                      log_to_driver=False)
     serve.start(proxy_location="Disabled")
 

@@ -69,7 +69,12 @@ def test_a_start_up_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_the_token_is_required_and_sigterm_drains_exits_0_and_leaves_no_process(
         tmp_path: Path) -> None:
-    srv = launch(CLUSTER, tmp_path, env={"DSTACK_AUTH_TOKEN": TOKEN},
+    """...and with `ray.address: null` it starts a Ray of its own: not the one Ray's default
+    joins, named by RAY_ADDRESS (here) or by /tmp/ray's last cluster, which may be gone
+    (its start retried for minutes) or another's."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        gone = f"127.0.0.1:{s.getsockname()[1]}"  # closed once this block ends
+    srv = launch(CLUSTER, tmp_path, env={"DSTACK_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": gone},
                  command=("cluster", "serve"))
     try:
         wait_ready(srv, timeout_s=240)  # health is open without the token
