@@ -1,4 +1,4 @@
-"""`dstack` command line: serve, plan, simulate, models.
+"""`dstack` command line: serve, profile, plan, simulate, models.
 
 A thin layer: each subcommand parses its flags and calls a library function. Heavy
 imports happen inside the subcommand so that `dstack models` stays quick.
@@ -38,7 +38,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dstack.policies.schedule import build_schedule
     from optimizer.cli import draw_gantt, format_plan
 
-    cfg, profiles = load_for_planning(args.config, args.profiles)
+    cfg, profiles = load_for_planning(args.config, args.profiles, say=print)
     plan = plan_for(cfg, profiles)
     print(format_plan(plan))
     if cfg.rate_headroom:
@@ -52,6 +52,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         draw_gantt(plan, args.plot, build_schedule(plan, backend))
         print(f"schedule drawn in {args.plot}")
     return 1 if plan.status is SolverStatus.INFEASIBLE else 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    """Measure this machine's profiles of the config's models into the `profiles: auto`
+    cache (those missing or incomplete; all with --force); print where and a table."""
+    import logging
+
+    from dstack.common.config import load_config
+    from dstack.policies import auto_profiles
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_config(args.config)
+    if args.time_limit < 0:
+        from dstack.common.config import ConfigError
+
+        raise ConfigError(f"--time-limit {args.time_limit:g}: give seconds >= 0 (0: none)")
+    directory, profiles = auto_profiles.resolve(cfg, config=args.config, force=args.force,
+                                                time_limit_s=args.time_limit)
+    print(f"profiles of this machine ({directory.name}) in {directory}")
+    print(auto_profiles.format_table(profiles))
+    if cfg.profiles not in (None, "auto"):
+        print(f"note: {args.config} names `profiles: {cfg.profiles}`; the server uses these "
+              "only with `profiles: auto` (or no `profiles:` under spatial and dstack)")
+    return 0
 
 
 def _cmd_mig_advise(args: argparse.Namespace) -> int:
@@ -85,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="override server.host")
     s.add_argument("--port", type=int, default=None, help="override server.port")
     s.set_defaults(func=_cmd_serve)
+
+    pr = sub.add_parser("profile", help="measure this machine's profiles of a config's models "
+                        "(the `profiles: auto` cache) ahead of serving")
+    pr.add_argument("--config", required=True, help="deployment YAML file")
+    pr.add_argument("--force", action="store_true",
+                    help="measure every model again, even those already in the cache")
+    pr.add_argument("--time-limit", type=float, default=0.0,
+                    help="stop measuring after this many seconds (default 0: no limit)")
+    pr.set_defaults(func=_cmd_profile)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(func=_cmd_models)

@@ -34,6 +34,10 @@ class Batching(StrEnum):
     RATE = "rate"  # wait for b* = k*c / (1 - t*c) items (Zhang et al. 2019)
 
 
+#: The policies that plan with knee profiles: `profiles:` unset means `auto` for them.
+PROFILED_POLICIES = (PolicyName.SPATIAL, PolicyName.DSTACK)
+
+
 class DeviceKind(StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
@@ -233,8 +237,17 @@ class DeployConfig(_Strict):
     device: DeviceKind = DeviceKind.CPU
     policy: PolicyName = PolicyName.SHARED
     """Scheduling policy: temporal, shared, spatial or dstack (ARCHITECTURE.md)."""
-    profiles: Path | None = None
-    """Directory of knee profiles (needed by spatial and dstack)."""
+    profiles: Literal["auto"] | Path | None = None
+    """Knee profiles (spatial and dstack plan with them): a directory, or `auto`, the
+    profiles measured on this very machine, kept in a cache (`$DSTACK_PROFILE_CACHE`, else
+    `~/.cache/dstack-serve/profiles`, a directory per device) and measured at start-up
+    where missing (`dstack.policies.auto_profiles`; `dstack profile --config FILE` does it
+    ahead of time). Unset: `auto` for spatial and dstack, none for the others. (A
+    directory named auto: write `./auto`.)"""
+    profile_time_limit_s: Annotated[float, Field(gt=0)] = 300.0
+    """`profiles: auto`: measuring the missing profiles at start-up stops after this many
+    seconds, all models together; the start then fails and says so (what was measured is
+    kept, and the next start goes on from there)."""
     cores: tuple[int, ...] | None = None
     """CPU cores the workers may use (default: all this process may use)."""
     adapt: AdaptConfig = AdaptConfig()
@@ -261,6 +274,19 @@ class DeployConfig(_Strict):
     priority."""
     models: list[ModelConfig] = Field(min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_profiles(cls, data: Any) -> Any:
+        """spatial and dstack without `profiles:` plan with `profiles: auto`."""
+        if isinstance(data, dict) and data.get("profiles") is None:
+            try:
+                policy = PolicyName(data.get("policy", PolicyName.SHARED))
+            except ValueError:
+                return data  # the field's own check names it
+            if policy in PROFILED_POLICIES:
+                return {**data, "profiles": "auto"}
+        return data
+
     @model_validator(mode="after")
     def _unique(self) -> DeployConfig:
         seen: set[str] = set()
@@ -268,8 +294,6 @@ class DeployConfig(_Strict):
             if m.name in seen:
                 raise ValueError(f"model name {m.name!r} appears twice")
             seen.add(m.name)
-        if self.policy in (PolicyName.DSTACK, PolicyName.SPATIAL) and self.profiles is None:
-            raise ValueError(f"policy {self.policy.value} needs `profiles:` (a directory)")
         return self
 
     def model(self, name: str) -> ModelConfig:
@@ -370,5 +394,5 @@ def _resolve_paths(cfg: DeployConfig, base: Path) -> DeployConfig:
     server = srv.model_copy(update={"auth_token_file": fix(srv.auth_token_file),
                                     "tls_certfile": fix(srv.tls_certfile),
                                     "tls_keyfile": fix(srv.tls_keyfile)})
-    return cfg.model_copy(update={"profiles": fix(cfg.profiles), "models": models,
-                                  "server": server})
+    profiles = cfg.profiles if cfg.profiles == "auto" else fix(cfg.profiles)
+    return cfg.model_copy(update={"profiles": profiles, "models": models, "server": server})

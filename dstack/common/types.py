@@ -209,6 +209,10 @@ class Profile:
             knee={b: 100.0 * min(n, units(p)) / n for b, p in self.knee.items()},
             provenance=f"{self.provenance} (on {n} of its {total} cores)".strip())
 
+    def scaled(self, factor: float) -> Profile:
+        """This profile with every latency times `factor` (the module's `scaled`)."""
+        return scaled(self, factor)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "profile") -> Profile:
         schema = d.get("schema")
@@ -260,6 +264,21 @@ class Profile:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         tmp.replace(path)  # atomic: an interrupted sweep never leaves half a file
+
+
+def scaled(profile: Profile, factor: float) -> Profile:
+    """`profile` with every cell's p50 and p95 latency multiplied by `factor` (> 0): a
+    profile measured on another machine, corrected by how much slower (factor > 1) or
+    faster this one runs the model. Pure: the knee (a ratio of latencies) and the memory
+    are unchanged; the provenance says what was done."""
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+    if factor == 1.0:
+        return profile
+    cells = tuple(replace(c, p50_ms=c.p50_ms * factor, p95_ms=c.p95_ms * factor)
+                  for c in profile.cells)
+    return replace(profile, cells=cells,
+                   provenance=f"{profile.provenance} (latencies scaled x{factor:.4g})".strip())
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -6,12 +6,14 @@ exactly the same policy for the same inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dstack.common.config import ConfigError, DeployConfig, PolicyName, load_config
 from dstack.common.slices import SliceBackend
 from dstack.common.types import Plan, Priority, Profile, Schedule, load_profiles
+from dstack.policies import auto_profiles
 from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.contract import ModelParams, Policy
 from dstack.policies.lane_planning import backend_of, gap_lanes, plan_lanes, predicted_goodput
@@ -40,9 +42,19 @@ def model_params(cfg: DeployConfig) -> dict[str, ModelParams]:
     }
 
 
-def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str, Profile]:
-    """Profiles keyed by served name (a served alias uses its zoo model's profile)."""
-    if cfg.profiles is None:
+def served_profiles(cfg: DeployConfig, *, check_device: bool = True, measure: bool = True,
+                    backend: SliceBackend | None = None) -> dict[str, Profile]:
+    """Profiles keyed by served name (a served alias uses its zoo model's profile).
+
+    `profiles: auto` (and no `profiles:` under spatial or dstack): this machine's cached
+    profiles, a missing one measured first (`measure`; else MissingProfiles,
+    `dstack.policies.auto_profiles`). A directory: its profiles; with `check_device`, one
+    of another device kind is an error and one of another device name a warning (once).
+    `backend`: the slices the workers get (its cores name the CPU device)."""
+    if auto_profiles.wants_auto(cfg):
+        _, by_zoo = auto_profiles.resolve(cfg, backend=backend, measure=measure)
+        return {m.name: by_zoo[m.zoo] for m in cfg.models}
+    if cfg.profiles is None or cfg.profiles == "auto":
         return {}
     by_model = load_profiles(cfg.profiles)
     out: dict[str, Profile] = {}
@@ -53,6 +65,7 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
                 f"models.{m.name}: no profile in {cfg.profiles} "
                 f"(have {', '.join(sorted(by_model))}); make one with: "
                 f"knee-profiler profile {m.zoo} --device {cfg.device.value} --out {cfg.profiles}"
+                " (or use `profiles: auto`)"
             )
         if check_device and prof.device.kind != cfg.device.value:
             raise ConfigError(
@@ -61,20 +74,38 @@ def served_profiles(cfg: DeployConfig, *, check_device: bool = True) -> dict[str
                 f"model on this device, or use `dstack simulate` for other devices"
             )
         out[m.name] = prof
+    if check_device:
+        auto_profiles.warn_other_device(cfg, out, backend)
     return out
 
 
-def load_for_planning(config: str | Path,
-                      profiles_dir: str | Path | None = None
+def planning_profiles(cfg: DeployConfig, config: str | Path, *,
+                      say: Callable[[str], None] | None = None
                       ) -> tuple[DeployConfig, dict[str, Profile]]:
-    """A config and its profiles for planning only (`dstack plan`, `dstack mig-advise`):
-    `profiles_dir` overrides the config's `profiles:`; they may come from another device."""
+    """`cfg` and its profiles for planning only (`dstack plan`, `dstack simulate`, `dstack
+    mig-advise`); they may come from another device. No `profiles:`, or `auto`: this
+    machine's cache, never measured here (MissingProfiles names `dstack profile --config
+    FILE`); `say` is told where it is. The config returned names the directory."""
+    if cfg.profiles is None or cfg.profiles == "auto":
+        auto = cfg.model_copy(update={"profiles": "auto"})
+        directory, by_zoo = auto_profiles.resolve(auto, measure=False, config=config)
+        if say is not None:
+            say(f"profiles: auto -> {directory} (this machine's, {directory.name})")
+        cfg = cfg.model_copy(update={"profiles": directory})
+        return cfg, {m.name: by_zoo[m.zoo] for m in cfg.models}
+    return cfg, served_profiles(cfg, check_device=False)
+
+
+def load_for_planning(config: str | Path,
+                      profiles_dir: str | Path | None = None, *,
+                      say: Callable[[str], None] | None = None
+                      ) -> tuple[DeployConfig, dict[str, Profile]]:
+    """A config and its profiles for planning only (`planning_profiles`): `profiles_dir`
+    overrides the config's `profiles:`."""
     cfg = load_config(config)
     if profiles_dir:
         cfg = cfg.model_copy(update={"profiles": Path(profiles_dir)})
-    if cfg.profiles is None:
-        raise ConfigError(f"{config}: no `profiles:` in the config and no --profiles given")
-    return cfg, served_profiles(cfg, check_device=False)
+    return planning_profiles(cfg, config, say=say)
 
 
 def plan_for(cfg: DeployConfig, profiles: dict[str, Profile],
@@ -125,7 +156,7 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     re-plan; default the configured ones). `replicas`: workers per model, fixed (a re-plan
     keeps the workers it has); default: chosen here for `dstack`, one for the others."""
     if profiles is None:
-        profiles = served_profiles(cfg)
+        profiles = served_profiles(cfg, backend=backend)
     if backend.kind == "cpu":  # a server given fewer cores than were profiled
         profiles = {k: p.on_cores(backend.total_units) for k, p in profiles.items()}
     counts = {m.name: 1 for m in cfg.models}

@@ -94,7 +94,7 @@ def plan_models(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, 
     now keep their number of workers; a new one gets what the planner chooses."""
     replicas: dict[str, int] | None = None
     if cfg.policy is PolicyName.DSTACK and cfg.profiles is not None:
-        counts = replica_counts(cfg, served_profiles(cfg), backend)
+        counts = replica_counts(cfg, served_profiles(cfg, backend=backend), backend)
         names = {m.name for m in cfg.models}
         replicas = {**counts, **{m: n for m, n in current.replicas.items() if m in names}}
     return setup_policy(cfg, backend, origin=origin, replicas=replicas)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from dstack.common.config import ConfigError, PolicyName, load_config
-from dstack.policies.planning import served_profiles
+from dstack.policies.planning import planning_profiles
 from dstack.simulate.engine import COMPILED
 from dstack.simulate.report import format_per_model, format_table
 from dstack.simulate.simulation import simulate
@@ -19,8 +19,6 @@ def simulate_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.profiles is not None:
         cfg = cfg.model_copy(update={"profiles": Path(args.profiles).resolve()})
-    if cfg.profiles is None:
-        raise ConfigError("dstack simulate needs profiles: give --profiles or `profiles:`")
     try:
         policies = [PolicyName(p.strip()) for p in args.policies.split(",") if p.strip()]
     except ValueError:
@@ -34,7 +32,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                             args.seed)
     except WorkloadError as e:
         raise ConfigError(str(e)) from None
-    profiles = served_profiles(cfg, check_device=False)
+    cfg, profiles = planning_profiles(cfg, args.config, say=print)
     started = time.perf_counter()
     sim = simulate(cfg, profiles, arrivals, policies, duration,
                    timeline_s=window if args.plot else 0.0)

@@ -91,7 +91,7 @@ def test_config_defaults_and_relative_paths(tmp_path: Path) -> None:
         ("models:\n  - name: a\n    slo_ms: -1\n", "models.0.slo_ms"),
         ("models:\n  - name: a\n    slo_ms: 10\n    max_queue_delay_ms: 20\n", "below slo_ms"),
         ("models:\n  - name: a\n  - name: a\n", "appears twice"),
-        ("policy: dstack\nmodels:\n  - name: a\n", "needs `profiles:`"),
+        ("policy: dstack\nprofiles: 3\nmodels:\n  - name: a\n", "profiles"),
         ("policy: fastest\nmodels:\n  - name: a\n", "policy"),
         ("models:\n  - name: a\n    colour: red\n", "models.0.colour"),
         ("server:\n  port: 70000\nmodels:\n  - name: a\n", "server.port"),
