@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-policies bench-batching bench-priority chaos soak clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-policies bench-batching bench-priority chaos soak clean
 
 setup: $(BUILT)
 
@@ -87,6 +87,13 @@ CLOSED_LOOP_ARGS ?=
 
 bench-closed-loop: $(BUILT)
 	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) $(CLOSED_LOOP_ARGS)
+
+# Clients that send again the moment they are refused: 2 and 8 per model, every policy and
+# a plain queueing server side by side, against the machine's in-process capacity.
+bench-retry: $(BUILT)
+	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) --clients 2,8 \
+		--refusal-pause 0 --capacity --policies temporal,shared,spatial,dstack,queueing \
+		--out out/bench-retry $(CLOSED_LOOP_ARGS)
 
 # batching: rate against the max-queue-delay window on a load stepping 0.3x -> 1.2x -> 0.3x
 # of capacity, and the gap between batches with and without double buffering: real CPU

@@ -24,19 +24,44 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.closed_loop import REFUSAL_PAUSE_S, TIMEOUT_S, Counts, Target, closed_loop
+from bench.fitted import fitted_config, one_core_capacity
 from bench.servers import ROOT, models_of, peak_rss_mb, serving
 
 POLICIES = ("temporal", "shared", "spatial", "dstack")
 
 
+#: The reference that is no policy of ours: `shared` with no SLO at the server (it queues
+#: whatever comes and refuses nothing, as Triton's dynamic batching does); its answers are
+#: judged against the mix's SLOs all the same.
+QUEUEING = "queueing"
+#: The SLO the queueing server is given: none that a request could reach.
+NO_SLO_MS = 600_000.0
+
+
+def mix_config(policy: str, outdir: Path) -> tuple[Path, dict[str, float]]:
+    """`configs/bench-mix-<policy>.yaml` fitted to this machine (`bench.fitted`), and the
+    SLOs (ms) its answers are judged by."""
+    base = ROOT / f"configs/bench-mix-{'shared' if policy == QUEUEING else policy}.yaml"
+    config, _ = fitted_config(base, outdir)
+    slos = {m["name"]: float(m["slo_ms"]) for m in models_of(config)}
+    if policy == QUEUEING:
+        raw = yaml.safe_load(config.read_text())
+        for m in raw["models"]:
+            m["slo_ms"] = NO_SLO_MS
+        config = outdir / "bench-mix-queueing-fitted.yaml"
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return config, slos
+
+
 def run_policy(policy: str, outdir: Path, *, clients: int, duration_s: float,
                timeout_s: float = TIMEOUT_S, refusal_pause_s: float = REFUSAL_PAUSE_S
                ) -> tuple[dict[str, Counts], dict[str, float]]:
-    """Serve `configs/bench-mix-<policy>.yaml` and run the closed loop against it: the
-    outcomes per model, and the peak RSS (MB) of the server and its workers."""
-    config = ROOT / f"configs/bench-mix-{policy}.yaml"
-    slos = {m["name"]: float(m["slo_ms"]) for m in models_of(config)}
+    """Serve the bench mix under `policy` (`mix_config`) and run the closed loop against
+    it: the outcomes per model, and the peak RSS (MB) of the server and its workers."""
+    config, slos = mix_config(policy, outdir)
     with serving(config, outdir / f"server-closed-loop-{policy}.log") as srv:
         targets = [Target.from_server(srv.host, m, slo) for m, slo in slos.items()]
         counts = closed_loop(srv.host, targets, clients, duration_s, timeout_s=timeout_s,
@@ -55,7 +80,7 @@ def table(policy: str, counts: dict[str, Counts], slos: dict[str, float], client
             f"{'429':>5s} {'4xx':>4s} {'5xx':>4s} {'hangs':>5s} {'conn':>4s} "
             f"{'goodput/s':>9s} {'p50 ms':>7s} {'p99 ms':>7s}  429 by reason")
     lines = [f"\n{policy}: {clients} clients per model, closed loop, {duration_s:g} s "
-             f"(configs/bench-mix-{policy}.yaml)", head, "-" * len(head)]
+             "(the bench mix, fitted to this machine)", head, "-" * len(head)]
     for m, c in counts.items():
         j = c.to_json()
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(c.refused.items())) or "-"
@@ -73,26 +98,52 @@ def table(policy: str, counts: dict[str, Counts], slos: dict[str, float], client
 def summary(results: dict[str, Any]) -> str:
     head = (f"{'policy':9s} {'goodput within SLO rps':>22s} {'refused %':>9s} {'5xx':>4s} "
             f"{'hangs':>5s} {'other errors':>12s}  per model goodput rps")
-    lines = ["\nSummary (closed loop, goodput = answers within the model's SLO per second):",
-             head, "-" * len(head)]
-    for pol, r in results["policies"].items():
-        if "error" in r:
-            lines.append(f"{pol:9s} did not run: {r['error']}")
-            continue
-        models = r["models"]
-        sent = sum(v["sent"] for v in models.values())
-        refused = sum(v["refused_429"] for v in models.values())
-        per_model = ", ".join(f"{m} {v['goodput_rps']:.1f}" for m, v in models.items())
-        other = sum(sum(v["other_4xx"].values()) + v["connection_errors"] + v["client_errors"]
-                    for v in models.values())
-        lines.append(
-            f"{pol:9s} {sum(v['goodput_rps'] for v in models.values()):22.1f} "
-            f"{100 * refused / sent if sent else 0.0:9.1f} "
-            f"{sum(sum(v['5xx'].values()) for v in models.values()):4d} "
-            f"{sum(v['timeouts'] for v in models.values()):5d} "
-            f"{other:12d}"
-            f"  {per_model}")
+    lines = []
+    for clients, runs in results["runs"].items():
+        lines += [f"\nSummary, {clients} clients per model (closed loop, goodput = answers "
+                  "within the model's SLO per second):", head, "-" * len(head)]
+        goodput: dict[str, float] = {}
+        for pol, r in runs.items():
+            if "error" in r:
+                lines.append(f"{pol:9s} did not run: {r['error']}")
+                continue
+            models = r["models"]
+            sent = sum(v["sent"] for v in models.values())
+            refused = sum(v["refused_429"] for v in models.values())
+            per_model = ", ".join(f"{m} {v['goodput_rps']:.1f}" for m, v in models.items())
+            other = sum(sum(v["other_4xx"].values()) + v["connection_errors"]
+                        + v["client_errors"] for v in models.values())
+            goodput[pol] = sum(v["goodput_rps"] for v in models.values())
+            lines.append(
+                f"{pol:9s} {goodput[pol]:22.1f} "
+                f"{100 * refused / sent if sent else 0.0:9.1f} "
+                f"{sum(sum(v['5xx'].values()) for v in models.values()):4d} "
+                f"{sum(v['timeouts'] for v in models.values()):5d} "
+                f"{other:12d}"
+                f"  {per_model}")
+        lines += ratios(goodput, results.get("capacity_rps"))
     return "\n".join(lines)
+
+
+def ratios(goodput: dict[str, float], capacity: float | None) -> list[str]:
+    """dstack's goodput against the best other policy, the queueing reference and the
+    machine's in-process capacity, where they ran."""
+    if "dstack" not in goodput:
+        return []
+    d = goodput["dstack"]
+    others = {p: g for p, g in goodput.items() if p not in ("dstack", QUEUEING)}
+    out = []
+    if others:
+        best = max(others, key=others.__getitem__)
+        out.append(f"dstack / best other policy ({best}): "
+                   f"{d / others[best] if others[best] else float('inf'):.2f}")
+    if goodput.get(QUEUEING) is not None:
+        q = goodput[QUEUEING]
+        out.append(f"dstack / queueing (no SLO at the server): {d / q if q else float('inf'):.2f}")
+    if capacity:
+        out.append(f"dstack / in-process capacity within SLO ({capacity:.1f} rps): "
+                   f"{d / capacity:.2f}")
+    return out
 
 
 def _seconds(text: str) -> float:
@@ -112,13 +163,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=_seconds, default=10.0,
                     help="seconds of closed loop per policy (10 or 10s)")
-    ap.add_argument("--clients", type=int, default=2, help="clients per model")
+    ap.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[2],
+                    help="clients per model; several (2,8) run one after another")
     ap.add_argument("--timeout", type=_seconds, default=TIMEOUT_S,
                     help="a request not answered in this many seconds is a hang")
     ap.add_argument("--refusal-pause", type=_milliseconds, default=REFUSAL_PAUSE_S,
                     help="how long a refused client waits before it sends again "
                          f"(default {1000 * REFUSAL_PAUSE_S:g}ms; 0 sends again at once)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated; `{QUEUEING}` is shared with no SLO at the server "
+                         "(Triton's behaviour), judged by the same SLOs")
+    ap.add_argument("--capacity", action="store_true",
+                    help="measure each model's in-process capacity within its SLO on one core "
+                         "and print dstack's goodput against their sum")
     ap.add_argument("--out", default="out/bench")
     args = ap.parse_args(argv)
     outdir = ROOT / args.out
@@ -129,26 +186,33 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": args.duration, "clients_per_model": args.clients,
         "timeout_s": args.timeout, "refusal_pause_s": args.refusal_pause,
         "cores": sorted(os.sched_getaffinity(0)),
-        "load_average_start": os.getloadavg(), "policies": {}}
+        "load_average_start": os.getloadavg(), "runs": {}}
+    if args.capacity:
+        _, slos = mix_config("dstack", outdir)
+        cap = one_core_capacity(slos)
+        results["capacity_by_model_rps"] = cap
+        results["capacity_rps"] = sum(cap.values())
+        print("in-process capacity within SLO, one core each (items/s): "
+              + ", ".join(f"{m} {c:.1f}" for m, c in cap.items()), flush=True)
     failed = False
-    for pol in policies:
-        slos = {m["name"]: float(m["slo_ms"])
-                for m in models_of(ROOT / f"configs/bench-mix-{pol}.yaml")}
-        try:
-            counts, rss = run_policy(pol, outdir, clients=args.clients, duration_s=args.duration,
-                                     timeout_s=args.timeout,
-                                     refusal_pause_s=args.refusal_pause)
-        except RuntimeError as e:
-            failed = True
-            results["policies"][pol] = {"error": str(e)[-2000:]}
-            print(f"\n{pol}: did not run: {str(e)[-2000:]}", flush=True)
-            continue
-        print(table(pol, counts, slos, args.clients, args.duration), flush=True)
-        results["policies"][pol] = {
-            "config": f"configs/bench-mix-{pol}.yaml",
-            "rss_mb": rss,
-            "models": {m: {"slo_ms": slos[m], "goodput_rps": goodput_rps(c), **c.to_json()}
-                       for m, c in counts.items()}}
+    for clients in args.clients:
+        runs = results["runs"][clients] = {}
+        for pol in policies:
+            try:
+                counts, rss = run_policy(pol, outdir, clients=clients,
+                                         duration_s=args.duration, timeout_s=args.timeout,
+                                         refusal_pause_s=args.refusal_pause)
+            except RuntimeError as e:
+                failed = True
+                runs[pol] = {"error": str(e)[-2000:]}
+                print(f"\n{pol}: did not run: {str(e)[-2000:]}", flush=True)
+                continue
+            _, slos = mix_config(pol, outdir)
+            print(table(pol, counts, slos, clients, args.duration), flush=True)
+            runs[pol] = {
+                "rss_mb": rss,
+                "models": {m: {"slo_ms": slos[m], "goodput_rps": goodput_rps(c), **c.to_json()}
+                           for m, c in counts.items()}}
     results["elapsed_s"] = time.monotonic() - t_all
     results["load_average_end"] = os.getloadavg()
     print(summary(results))

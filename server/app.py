@@ -389,6 +389,8 @@ def create_app(
                 metrics.failures.add(model, "backend")
                 raise
         except DStackError as e:
+            if e.hold_s > 0:  # a refusal, paced: `Runtime.hold_s`
+                await asyncio.sleep(e.hold_s)
             await _answer(send, *_error_answer(e))
             return
         except Exception as e:

@@ -669,6 +669,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._linger()
             elif later.complete:
                 self._body_done()
+                self.flow.resume_reading()  # paused for the LATER: the next request
             elif not (self._body_left > 0 and self._sink_ok() and self._drop_in_kernel()):
                 self.flow.resume_reading()  # dropped through the parser (TLS)
             return True

@@ -37,6 +37,7 @@ meanwhile are checked with it counted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -46,7 +47,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dstack.common.errors import DStackError, ModelNotFound
-from server.connection import ASKED_AT_HEADER, RECEIVED_AT, Answer
+from server.connection import ANSWER_LATER, ASKED_AT_HEADER, LATER, RECEIVED_AT, Answer
 from server.limits import error_json, refuse, retry_after
 
 log = logging.getLogger("dstack.server")
@@ -123,6 +124,8 @@ class EarlyRefusal:
     async def _refuse(self, scope: Scope, send: Send, model: str,
                       e: DStackError, stage: str) -> None:
         _counted(self.failed, model, e, stage, scope.get(RECEIVED_AT))
+        if e.hold_s > 0:  # paced: `Runtime.hold_s`
+            await asyncio.sleep(e.hold_s)
         await refuse(scope, send, e.status_code, e.message, headers=retry_after(e),
                      reason=e.rule)
 
@@ -200,8 +203,13 @@ class HeaderRefusal:
         except DStackError as e:
             _counted(self.failed, model, e, "header",
                      None if scope is None else scope.get(RECEIVED_AT))
-            return e.status_code, [(b"content-type", b"application/json"),
-                                   *retry_after(e)], error_json(e.message, e.rule)
+            answer = (e.status_code, [(b"content-type", b"application/json"),
+                                      *retry_after(e)], error_json(e.message, e.rule))
+            later = None if scope is None else scope.get(ANSWER_LATER)
+            if e.hold_s > 0 and later is not None:  # paced: `Runtime.hold_s`
+                asyncio.get_running_loop().call_later(e.hold_s, later, answer)
+                return LATER  # type: ignore[return-value]
+            return answer
         if hold:
             scope[HELD] = (model, token)  # type: ignore[index]
         return None

@@ -103,11 +103,15 @@ class LinkHeaderCheck:
         key = m.group(1), m.group(2)
         received = scope.get(RECEIVED_AT) or time.monotonic()
         standing = self.standing.answer(key, received)
+        resume = scope[ANSWER_LATER]
         if standing is not None:
             self.bound.decided(True)
+            hold_s = self.standing.hold_s(key)
+            if hold_s > 0:  # paced, as the dispatch process paces its own
+                asyncio.get_running_loop().call_later(hold_s, resume, standing)
+                return LATER
             return standing
         i = next(self.link.ids)
-        resume = scope[ANSWER_LATER]
         timer: asyncio.TimerHandle | None = None
         decide_s = self.bound.now()
 
@@ -129,7 +133,10 @@ class LinkHeaderCheck:
             answer = _refusal_answer(e)
             if reply is not None:
                 self.standing.stand(key, reply, answer)
-            resume(answer)
+            if e.hold_s > 0:  # paced (`Runtime.hold_s`)
+                asyncio.get_running_loop().call_later(e.hold_s, resume, answer)
+            else:
+                resume(answer)
 
         if not self.link.ask(_header_meta(i, *key, received, decide_s), answered):
             return None

@@ -178,6 +178,7 @@ def error_of(meta: dict[str, Any]) -> DStackError:
     e.reason = meta.get("why", "rejected")
     e.rule = meta.get("r")
     e.retry_after_s = meta.get("ra")
+    e.hold_s = meta.get("h", 0.0)
     e.logged = True
     return e
 
@@ -197,8 +198,11 @@ def undecided_error(model: str, decide_s: float) -> DStackError:
 
 
 def _refusal_meta(i: int, e: DStackError) -> dict[str, Any]:
-    return {"k": "no", "i": i, "s": e.status_code, "e": e.message, "r": e.rule,
+    meta = {"k": "no", "i": i, "s": e.status_code, "e": e.message, "r": e.rule,
             "ra": e.retry_after_s, "why": e.reason}
+    if e.hold_s > 0:
+        meta["h"] = e.hold_s
+    return meta
 
 
 def _standing_meta(i: int, e: DStackError) -> dict[str, Any]:
@@ -539,6 +543,14 @@ class StandingRefusals:
             untold = self.untold[key] = (reply, [])
         untold[1].append(now - received)
         return answer
+
+    def hold_s(self, key: tuple[str, str | None]) -> float:
+        """How long a refusal `answer` just gave for `key` is held before it is written:
+        until it lapses, where the dispatch process holds its own (`h`: `Runtime.hold_s`)."""
+        got = self.standing.get(key)
+        if got is None or not got[2].get("h"):
+            return 0.0
+        return max(0.0, got[0] - time.monotonic())
 
     def tell(self) -> None:
         """Tell the dispatch process what was refused within standing refusals."""

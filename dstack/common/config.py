@@ -91,6 +91,14 @@ class ServerConfig(_Strict):
     unless the server keeps up with its model and the model's SLO is `reading.SLO_TIMES`
     (50) times what its slow bodies take (`ReadLimit.holds`).
     0: no limit."""
+    hold_refusals: bool = True
+    """A request refused for the work ahead of its model (429 `work_ahead`) is answered
+    once that work has gone down enough that a request sent then could be taken (the
+    refusal's predicted lateness), at most the model's SLO later, instead of at once. A
+    client that sends again the moment it is refused (tritonclient in a loop, Locust, a
+    retrying proxy) is so paced to what the model serves: answered at once, such clients
+    sent over 1,000 requests a second on a 2-core machine, whose uploads took the CPU
+    the batches needed, and goodput collapsed (docs/reliability.md). False: at once."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still
     arriving are refused at once with 503); what is still running after it is cancelled."""
@@ -257,6 +265,13 @@ class DeployConfig(_Strict):
     rate_headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
     """Policy dstack plans for rate x (1 + rate_headroom): a plan sized for exactly the mean
     rate falls behind on every Poisson burst."""
+    profile_margin: Annotated[float, Field(gt=0)] | None = 0.3
+    """Policies spatial and dstack: where a worker's warm-up batches of one item take more
+    than (1 + this) times, or less than 1 / (1 + this) of, what its model's profile says
+    at its slice (a profile measured on another machine, or a machine busier than when it
+    was measured), the server says so in one line and plans again, before it serves,
+    with that model's profile latencies scaled by the ratio. null: plan with the profiles
+    as they are."""
     double_buffer: bool = True
     """Workers get two arena halves: a batch's inputs are written into one while the batch
     before it computes from the other (on CUDA: from pinned memory, on a copy stream), and

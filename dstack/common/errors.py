@@ -12,6 +12,7 @@ class DStackError(Exception):
     rule: str | None = None  # a refusal: the rule that refused it (`{"reason": rule}`)
     retry_after_s: float | None = None  # when to retry: the server sends `Retry-After`
     stands_s: float = 0.0  # a refusal: how long it stands for the model's next requests
+    hold_s: float = 0.0  # a refusal: how long the server waits before it answers it
     queued: bool = False  # a refusal of a request that had waited in its model's queue
     logged: bool = False  # logged where it arose, once per event: not again per request
 

@@ -6,13 +6,14 @@ exactly the same policy for the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from dstack.common.config import ConfigError, DeployConfig, PolicyName, load_config
 from dstack.common.slices import SliceBackend
-from dstack.common.types import Plan, Priority, Profile, Schedule, load_profiles
+from dstack.common.types import Plan, Priority, Profile, Schedule, load_profiles, scaled
 from dstack.policies import auto_profiles
 from dstack.policies.baseline_params import knee_percent, temporal_batch
 from dstack.policies.contract import ModelParams, Policy
@@ -196,6 +197,35 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
             estimates[name] = lat
     policy.use_estimates(estimates)
     return PolicySetup(policy, plan, schedule, profiles, estimates, run_cfg, counts)
+
+
+def warmup_ratios(setup: PolicySetup, warm_s: Mapping[str, float]
+                  ) -> dict[str, tuple[float, float]]:
+    """Per served model with a profile: what its workers' warm-up batches of one item
+    took (`warm_s`, seconds, by worker; the median over its workers) and what its profile
+    says at their slices (the estimates it seeded)."""
+    got: dict[str, list[tuple[float, float]]] = {}
+    for worker, seconds in warm_s.items():
+        est = setup.estimates.get(worker)
+        if est is not None and seconds > 0:
+            got.setdefault(public_name(worker), []).append((seconds, est.estimate_s(1)))
+    return {m: (statistics.median(s for s, _ in v), statistics.median(p for _, p in v))
+            for m, v in got.items()}
+
+
+def corrected_profiles(cfg: DeployConfig, profiles: Mapping[str, Profile],
+                       ratios: Mapping[str, tuple[float, float]]
+                       ) -> tuple[dict[str, Profile], dict[str, float]]:
+    """`profiles` (by served model) with the latencies of each model whose warm-up
+    disagrees with its profile by more than `cfg.profile_margin` scaled by measured /
+    profiled (`warmup_ratios`), and those factors (empty: none disagrees)."""
+    if cfg.profile_margin is None:
+        return dict(profiles), {}
+    hi = 1 + cfg.profile_margin
+    factors = {m: measured / profiled for m, (measured, profiled) in ratios.items()
+               if m in profiles and not 1 / hi <= measured / profiled <= hi}
+    return ({m: scaled(p, factors[m]) if m in factors else p
+             for m, p in profiles.items()}, factors)
 
 
 #: A re-plan replaces the plan in force only when it predicts more than this much more

@@ -1235,6 +1235,19 @@ class _Core:
             margin = max(margin, st.margin)
         return over, out, margin
 
+    def batch_s(self, model: str) -> float:
+        """What a batch of one item of `model` takes by its estimate (its fast end, as
+        admission of a request to an idle model reads it; 0 with none); a served model
+        with replicas: the quickest of theirs."""
+        group = self.groups.get(model) if self.groups else None
+        best: cython.double = _INF
+        st: _Model
+        for i in group or [self.index[model]]:
+            st = self._m[i]
+            if st.estimate is not None:
+                best = min(best, st.estimate.refusal_s(1) + st.overhead_s)
+        return 0.0 if best == _INF else best
+
     def running(self, model: str) -> bool:
         st: _Model = self._m[self.index[model]]
         return st.running

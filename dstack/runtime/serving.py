@@ -49,12 +49,19 @@ from dstack.common.slices import (
 from dstack.common.types import ModelSpec, Plan, Schedule
 from dstack.policies.contract import Policy
 from dstack.policies.latency import LinearLatency
-from dstack.policies.planning import PolicySetup, setup_policy
+from dstack.policies.planning import (
+    PolicySetup,
+    corrected_profiles,
+    served_profiles,
+    setup_policy,
+    warmup_ratios,
+)
 from dstack.policies.replicas import public_name, replica_groups, replica_names
 from dstack.runtime.dispatch import (
     Batch,
     CoreModel,
     DispatchCore,
+    Refusal,
     RefusalReason,
     Step,
     Ticket,
@@ -132,13 +139,21 @@ class BatchRecord:
     worker_pid: int
 
 
-def refusal_error(reason: RefusalReason, message: str, stands_s: float = 0.0) -> DStackError:
+#: The refusals that are held (`Runtime.hold_s`): those for the work ahead of a model. A
+#: request refused `expired` has waited already; the others do not pass with time.
+HELD_RULES = frozenset({RefusalReason.WORK_AHEAD, RefusalReason.QUEUE_FULL})
+
+
+def refusal_error(reason: RefusalReason, message: str, stands_s: float = 0.0,
+                  hold_s: float = 0.0) -> DStackError:
     """The 429 a refusal is answered with; `reason` names the rule (in the JSON body);
-    `stands_s`, how long it stands for the model's next requests (`Refusal.stands_s`)."""
+    `stands_s`, how long it stands for the model's next requests (`Refusal.stands_s`);
+    `hold_s`, how long the server waits before it answers (`Runtime.hold_s`)."""
     err: DStackError = (Overloaded(message) if reason is RefusalReason.QUEUE_FULL
                         else DeadlineRefused(message))
     err.rule = reason.value
     err.stands_s = stands_s
+    err.hold_s = hold_s
     return err
 
 
@@ -288,6 +303,7 @@ class Runtime:
             policy, estimates, now=self._clock(),  # the cycle starts as serving starts
             groups=replica_groups(self.setup.replicas))
         self._placed()
+        await self._correct_profiles(ready)
         if adapts:
             self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
                                        self.setup, self._solver)
@@ -296,6 +312,32 @@ class Runtime:
         self._lag_watch = asyncio.create_task(self._watch_lag(), name="dstack-loop-lag")
         self._ready = True
         log.info("runtime ready: policy %s, %d models", policy.name, len(self.specs))
+
+    async def _correct_profiles(self, ready: Mapping[str, Ready]) -> None:
+        """Where the workers' warm-up batches disagree with their models' profiles by more
+        than `profile_margin`, say so in one line and plan again with the profiles'
+        latencies scaled by what was measured, before the first request is served (a
+        model whose slice changes gets a new worker, as on a re-plan)."""
+        setup = self.setup
+        assert setup is not None
+        if (self.cfg.policy not in (PolicyName.DSTACK, PolicyName.SPATIAL)
+                or self.cfg.profile_margin is None or not setup.profiles):
+            return
+        ratios = warmup_ratios(setup, {w: r.warm_ms_batch1 / 1000 for w, r in ready.items()})
+        served = served_profiles(self.cfg)
+        profiles, factors = corrected_profiles(self.cfg, served, ratios)
+        if not factors:
+            return
+        device = next(iter(served.values())).device.name
+        log.warning("profiles: warm-up batches of one item disagree with the profiles "
+                    "(measured on %s) by more than profile_margin %g: %s; planning with "
+                    "those latencies scaled", device, self.cfg.profile_margin, "; ".join(
+                        f"{m} {1000 * ratios[m][0]:.1f} ms, profile {1000 * ratios[m][1]:.1f}"
+                        f" ms (x{f:.2f})" for m, f in factors.items()))
+        corrected = await asyncio.to_thread(
+            setup_policy, self.cfg, self.slices, origin=self._clock(), profiles=profiles,
+            replicas=setup.replicas)
+        await self._hand_over(corrected, {})
 
     async def stop(self) -> None:
         self._closing = True
@@ -720,7 +762,24 @@ class Runtime:
         if got is not None:
             if self.replanner is not None:
                 self.replanner.record(model, now)  # demand: counted as `infer` counts it
-            raise refusal_error(got.reason, got.message, got.stands_s)
+            raise refusal_error(got.reason, got.message, got.stands_s, self.hold_s(model, got))
+
+    def hold_s(self, model: str, refusal: Refusal) -> float:
+        """How long a refusal of `model` for the work ahead of it (`work_ahead`,
+        `queue_full`) is held before it is answered: as long as it stands
+        (`Refusal.stands_s`: until the work ahead has gone down enough that a request sent
+        then could be taken), and at least what one batch of one item of the model takes
+        (the state admission reads changes as batches end), at most the model's SLO (an
+        answer it would have waited for anyway). A client that sends again the moment it
+        is refused is so paced to what the model serves, instead of sending hundreds of
+        requests a second that only take the CPU its batches need (`server.hold_refusals`,
+        docs/machines.md)."""
+        core = self.core
+        if (not self.cfg.server.hold_refusals or core is None
+                or refusal.reason not in HELD_RULES):
+            return 0.0
+        return min(max(refusal.stands_s, core.batch_s(model)),
+                   self.cfg.model(model).slo_ms / 1000)
 
     def _restarting(self, model: str) -> bool:
         """No worker of the model is ready and one is restarting."""
@@ -742,7 +801,7 @@ class Runtime:
         req = Request(inputs, fut)
         got = core.admit(model, n, now, req, since_received_s)
         if not isinstance(got, Ticket):
-            raise refusal_error(got.reason, got.message)
+            raise refusal_error(got.reason, got.message, got.stands_s, self.hold_s(model, got))
         if self._restarting(model):  # it waits for the worker to be back
             self._event_waited[model] = self._event_waited.get(model, 0) + 1
         stager = self._stager(self.supervisor.worker(core.names[got.model]))

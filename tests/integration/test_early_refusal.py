@@ -148,6 +148,35 @@ def test_a_refused_request_is_answered_before_its_body_and_the_connection_is_kep
         backend.refusal = None
 
 
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_a_held_refusal_is_answered_no_sooner_than_its_hold_on_a_kept_connection(
+        served: tuple[tuple[str, int], RefusingBackend], where: str) -> None:
+    """A client that sends again the moment it is refused is paced: the refusal comes
+    `hold_s` after the request, not at once (`Runtime.hold_s`), at the header or after the
+    body alike, and the connection then serves the next request."""
+    addr, backend = served
+    refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: would finish after its "
+                            "SLO", stands_s=0.5, hold_s=0.3)
+    if where == "header":
+        backend.refusal = refusal
+    else:
+        backend.queued_refusal = refusal
+    try:
+        with socket.create_connection(addr, timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(_head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            waited = time.monotonic() - t0
+            assert status == 429 and json.loads(body)["reason"] == "work_ahead"
+            assert waited >= 0.3, f"answered {waited:.3f} s after it was sent"
+            backend.refusal = backend.queued_refusal = None
+            s.sendall(_head(len(VALID)) + VALID)
+            status, _, body = _response(s)
+            assert status == 200, body
+    finally:
+        backend.refusal = backend.queued_refusal = None
+
+
 def _small_window(addr: tuple[str, int]) -> socket.socket:
     """A connection with small socket buffers (set before connecting): what a client that
     does not read holds up fills them soon."""

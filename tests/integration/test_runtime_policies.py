@@ -50,6 +50,7 @@ def config(policy: str, profiles: Path, **over: object) -> dict:
     return {
         "policy": policy,
         "profiles": str(profiles),
+        "profile_margin": None,  # hand-made profiles, planned with as they are
         "cores": [0, 1] if len(os.sched_getaffinity(0)) >= 2 else None,
         "adapt": {"enabled": False},
         "models": [

@@ -408,3 +408,33 @@ def test_a_front_end_bounds_the_decision_only_while_the_server_is_refusing() -> 
         assert link.waiting == {}
 
     asyncio.run(go())
+
+
+def test_a_front_end_holds_a_held_refusal_and_the_refusals_that_stand_on_it() -> None:
+    """A refusal the dispatch process holds (`h`: `Runtime.hold_s`) is held by the front end
+    too, and so is a request refused meanwhile within its standing: written when it lapses,
+    so that a client sending again at once is paced there as well."""
+    link = _AskingLink()
+    check = LinkHeaderCheck(link, max_body_bytes=1 << 20, allowed=None,  # type: ignore[arg-type]
+                            bound=DecisionBound(0.0))
+    answered_at: dict[int, float] = {}
+
+    def scope(n: int) -> dict[str, Any]:
+        return {RECEIVED_AT: time.monotonic(),
+                ANSWER_LATER: lambda answer: answered_at.setdefault(n, time.monotonic()) > 0}
+
+    async def go() -> None:
+        t0 = time.monotonic()
+        assert check("/v2/models/m/infer", [], 100, scope(1)) is LATER
+        link.waiting.pop(1)({"k": "no", "i": 1, "s": 429, "e": "model m: work ahead",
+                             "r": "work_ahead", "ra": None, "why": "deadline", "h": 0.1,
+                             "l": time.monotonic() + 0.1}, b"")
+        assert check("/v2/models/m/infer", [], 100, scope(2)) is LATER  # within its standing
+        assert link.waiting == {}  # not asked: it stands
+        await asyncio.sleep(0.03)
+        assert answered_at == {}
+        await asyncio.sleep(0.15)
+        assert set(answered_at) == {1, 2}
+        assert min(answered_at.values()) - t0 >= 0.09
+
+    asyncio.run(go())

@@ -9,7 +9,14 @@ import pytest
 
 from dstack.common.config import DeployConfig, PolicyName, parse_config
 from dstack.common.slices import CpuSlices, MpsSlices
-from dstack.policies.planning import REPLAN_GAIN, replan, served_profiles, setup_policy
+from dstack.policies.planning import (
+    REPLAN_GAIN,
+    corrected_profiles,
+    replan,
+    served_profiles,
+    setup_policy,
+    warmup_ratios,
+)
 from dstack.simulate import generate, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,3 +91,35 @@ def test_a_server_given_fewer_cores_than_were_profiled_plans_with_their_latencie
     est = setup.estimates["mobilenet_v3_small"]
     one_core_ms = profiles["mobilenet_v3_small"].latency_ms(1, 50.0)
     assert est.estimate_s(1) * 1000 == pytest.approx(one_core_ms, rel=0.05)
+
+
+def test_a_machine_slower_than_its_profiles_is_planned_with_the_latencies_it_measured() -> None:
+    """Warm-up batches 3x slower than the profile (a machine 3x slower than the one the
+    profiles came from): that model's profile is scaled 3x before planning, so the plan
+    no longer promises what the machine cannot do; within the margin, nothing changes."""
+    cfg = parse_config({
+        "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
+        "profile_margin": 0.3,
+        "models": [{"name": "mobilenet_v3_small", "slo_ms": 60, "max_batch_size": 8,
+                    "rate_rps": 20},
+                   {"name": "resnet18", "slo_ms": 250, "max_batch_size": 8, "rate_rps": 5}]})
+    profiles = served_profiles(cfg, check_device=False)
+    setup = setup_policy(cfg, CpuSlices((0, 1)), origin=0.0, profiles=profiles)
+    said = {w: e.estimate_s(1) for w, e in setup.estimates.items()}
+    warm = {w: s * (3.0 if w.startswith("resnet18") else 1.1) for w, s in said.items()}
+    ratios = warmup_ratios(setup, warm)
+    assert ratios["resnet18"][0] == pytest.approx(3 * ratios["resnet18"][1])
+    fixed, factors = corrected_profiles(cfg, profiles, ratios)
+    assert factors == {"resnet18": pytest.approx(3.0)}  # mobilenet's 1.1 is within 0.3
+    assert fixed["mobilenet_v3_small"] is profiles["mobilenet_v3_small"]
+    assert fixed["resnet18"].latency_ms(4, 50.0) == pytest.approx(
+        3 * profiles["resnet18"].latency_ms(4, 50.0))
+    before = setup.plan
+    after = setup_policy(cfg, CpuSlices((0, 1)), origin=0.0, profiles=fixed).plan
+    assert before is not None and after is not None
+    # the plan counts resnet18's batches at what they take here: its lane's round is longer
+    def round_ms(plan: object) -> float:
+        return next(lane.round_ms for lane in plan.lanes  # type: ignore[attr-defined]
+                    if "resnet18" in lane.models)
+    assert round_ms(after) > 2 * round_ms(before)
+    assert corrected_profiles(cfg, profiles, warmup_ratios(setup, said))[1] == {}
