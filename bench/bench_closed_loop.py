@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,27 +42,37 @@ QUEUEING = "queueing"
 NO_SLO_MS = 600_000.0
 
 
-def mix_config(policy: str, outdir: Path) -> tuple[Path, dict[str, float]]:
-    """`configs/bench-mix-<policy>.yaml` fitted to this machine (`bench.fitted`), and the
-    SLOs (ms) its answers are judged by."""
+def mix_config(policy: str, outdir: Path, settings: Sequence[str] = ()
+               ) -> tuple[Path, dict[str, float]]:
+    """`configs/bench-mix-<policy>.yaml` fitted to this machine (`bench.fitted`), with
+    `settings` (`key.sub=YAML value`) applied, and the SLOs (ms) its answers are judged by."""
     base = ROOT / f"configs/bench-mix-{'shared' if policy == QUEUEING else policy}.yaml"
     config, _ = fitted_config(base, outdir)
     slos = {m["name"]: float(m["slo_ms"]) for m in models_of(config)}
+    if policy != QUEUEING and not settings:
+        return config, slos
+    raw = yaml.safe_load(config.read_text())
     if policy == QUEUEING:
-        raw = yaml.safe_load(config.read_text())
         for m in raw["models"]:
             m["slo_ms"] = NO_SLO_MS
-        config = outdir / "bench-mix-queueing-fitted.yaml"
-        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        *parents, leaf = key.split(".")
+        node = raw
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = yaml.safe_load(value)
+    config = outdir / f"bench-mix-{policy}-fitted-set.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
     return config, slos
 
 
 def run_policy(policy: str, outdir: Path, *, clients: int, duration_s: float,
-               timeout_s: float = TIMEOUT_S, refusal_pause_s: float = REFUSAL_PAUSE_S
-               ) -> tuple[dict[str, Counts], dict[str, float]]:
+               timeout_s: float = TIMEOUT_S, refusal_pause_s: float = REFUSAL_PAUSE_S,
+               settings: Sequence[str] = ()) -> tuple[dict[str, Counts], dict[str, float]]:
     """Serve the bench mix under `policy` (`mix_config`) and run the closed loop against
     it: the outcomes per model, and the peak RSS (MB) of the server and its workers."""
-    config, slos = mix_config(policy, outdir)
+    config, slos = mix_config(policy, outdir, settings)
     with serving(config, outdir / f"server-closed-loop-{policy}.log") as srv:
         targets = [Target.from_server(srv.host, m, slo) for m, slo in slos.items()]
         counts = closed_loop(srv.host, targets, clients, duration_s, timeout_s=timeout_s,
@@ -176,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", action="store_true",
                     help="measure each model's in-process capacity within its SLO on one core "
                          "and print dstack's goodput against their sum")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config setting for every server, e.g. server.hold_refusals=false "
+                         "or profile_margin=null (repeatable)")
     ap.add_argument("--out", default="out/bench")
     args = ap.parse_args(argv)
     outdir = ROOT / args.out
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "duration_s": args.duration, "clients_per_model": args.clients,
         "timeout_s": args.timeout, "refusal_pause_s": args.refusal_pause,
-        "cores": sorted(os.sched_getaffinity(0)),
+        "settings": args.set, "cores": sorted(os.sched_getaffinity(0)),
         "load_average_start": os.getloadavg(), "runs": {}}
     if args.capacity:
         _, slos = mix_config("dstack", outdir)
@@ -201,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 counts, rss = run_policy(pol, outdir, clients=clients,
                                          duration_s=args.duration, timeout_s=args.timeout,
-                                         refusal_pause_s=args.refusal_pause)
+                                         refusal_pause_s=args.refusal_pause,
+                                         settings=args.set)
             except RuntimeError as e:
                 failed = True
                 runs[pol] = {"error": str(e)[-2000:]}

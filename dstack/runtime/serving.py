@@ -324,7 +324,7 @@ class Runtime:
                 or self.cfg.profile_margin is None or not setup.profiles):
             return
         ratios = warmup_ratios(setup, {w: r.warm_ms_batch1 / 1000 for w, r in ready.items()})
-        served = served_profiles(self.cfg)
+        served = served_profiles(self.cfg, backend=self.slices)
         profiles, factors = corrected_profiles(self.cfg, served, ratios)
         if not factors:
             return
