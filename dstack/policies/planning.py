@@ -213,6 +213,12 @@ def warmup_ratios(setup: PolicySetup, warm_s: Mapping[str, float]
             for m, v in got.items()}
 
 
+def served_of(setup: PolicySetup) -> dict[str, Profile]:
+    """The profiles `setup` planned with, by served model (a replica's are its model's):
+    what a re-plan plans with, corrections included."""
+    return {public_name(w): p for w, p in setup.profiles.items()}
+
+
 def corrected_profiles(cfg: DeployConfig, profiles: Mapping[str, Profile],
                        ratios: Mapping[str, tuple[float, float]]
                        ) -> tuple[dict[str, Profile], dict[str, float]]:

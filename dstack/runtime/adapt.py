@@ -86,6 +86,12 @@ class ReplanTrigger:
             return False
         return self._down_since is None or now - self._down_since >= self.down_hold_s
 
+    def held(self, now: float) -> bool:
+        """Whether the plan in force is `hold_s` old (a plan not yet recorded: from now)."""
+        if self._last_plan is None:
+            self._last_plan = now
+        return now - self._last_plan >= self.hold_s
+
     def planned(self, now: float, rates: dict[str, float]) -> None:
         """Record that a plan for `rates` took effect at `now`."""
         self.planned_rates = dict(rates)

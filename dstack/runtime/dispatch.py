@@ -1235,6 +1235,16 @@ class _Core:
             margin = max(margin, st.margin)
         return over, out, margin
 
+    def trusted_estimates(self) -> dict[str, LinearLatency]:
+        """The latency estimates that real batches have confirmed, by worker name."""
+        out: dict[str, LinearLatency] = {}
+        st: _Model
+        for i in range(len(self._m)):
+            st = self._m[i]
+            if st.trusted and st.estimate is not None:
+                out[self.names[i]] = st.estimate
+        return out
+
     def batch_s(self, model: str) -> float:
         """What a batch of one item of `model` takes by its estimate (its fast end, as
         admission of a request to an idle model reads it; 0 with none); a served model

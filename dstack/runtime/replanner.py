@@ -33,7 +33,15 @@ from typing import Any, TypeVar
 
 from dstack.common.config import DeployConfig
 from dstack.common.slices import SliceBackend
-from dstack.policies.planning import PolicySetup, replan
+from dstack.common.types import Profile
+from dstack.policies.planning import (
+    PolicySetup,
+    corrected_profiles,
+    replan,
+    served_of,
+    setup_policy,
+    warmup_ratios,
+)
 from dstack.runtime.adapt import tracker_for, trigger_for
 
 log = logging.getLogger("dstack.runtime.replanner")
@@ -121,7 +129,8 @@ class Replanner:
     def __init__(self, cfg: DeployConfig, slices: SliceBackend,
                  apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
                  clock: Callable[[], float], setup: PolicySetup,
-                 solver: SolverProcess | None = None) -> None:
+                 solver: SolverProcess | None = None,
+                 live_s: Callable[[], dict[str, float]] | None = None) -> None:
         self.cfg = cfg
         self.solver = solver
         self.setup = setup  # the plan in force
@@ -130,8 +139,14 @@ class Replanner:
         self._clock = clock
         self.rates = tracker_for(cfg)
         self.trigger = trigger_for(cfg)
+        self.trigger.held(clock())  # the plan in force dates from now
         self.replans = 0
         self.busy = False
+        # What a batch of one item of each worker takes by its live estimate (trusted ones
+        # only): a plan whose profiles it leaves by more than `profile_margin` for
+        # `trigger.confirm` samples running is made again with the profiles scaled to it.
+        self._live_s = live_s
+        self._slow_streak = 0
 
     def record(self, model: str, now: float) -> None:
         self.rates.record(model, now)
@@ -153,16 +168,48 @@ class Replanner:
             await asyncio.sleep(period)
             now = self._clock()
             rates = self.rates.sample(now)
-            if not self.busy and self.trigger.should_replan(now, rates):
+            if self.busy:
+                continue
+            profiles = self._drifted(now)
+            if profiles is not None:
+                await self.replan(rates, profiles)
+            elif self.trigger.should_replan(now, rates):
                 await self.replan(rates)
 
-    async def replan(self, rates: dict[str, float]) -> bool:
-        """Solve for `rates` in a thread, then hand over. False (and the current plan
-        kept) when the solve or the hand-over failed; the reason is logged."""
+    def _drifted(self, now: float) -> dict[str, Profile] | None:
+        """The plan's profiles scaled to the live estimates, where these have left them by
+        more than `profile_margin` for `trigger.confirm` samples running and the plan in
+        force is `trigger.hold_s` old (logged in one line); else None."""
+        if self._live_s is None or self.cfg.profile_margin is None:
+            return None
+        served = served_of(self.setup)
+        ratios = warmup_ratios(self.setup, self._live_s())
+        profiles, factors = corrected_profiles(self.cfg, served, ratios)
+        self._slow_streak = self._slow_streak + 1 if factors else 0
+        if self._slow_streak < self.trigger.confirm or not self.trigger.held(now):
+            return None
+        self._slow_streak = 0
+        log.warning("profiles: the batches served disagree with the plan's profiles by more "
+                    "than profile_margin %g: %s; planning again with those latencies scaled",
+                    self.cfg.profile_margin, "; ".join(
+                        f"{m} {1000 * ratios[m][0]:.1f} ms a batch of one, planned "
+                        f"{1000 * ratios[m][1]:.1f} ms (x{f:.2f})" for m, f in factors.items()))
+        return profiles
+
+    async def replan(self, rates: dict[str, float],
+                     profiles: dict[str, Profile] | None = None) -> bool:
+        """Solve for `rates` in a thread, then hand over; with `profiles` (the plan's
+        corrected to what its batches take) always, else only if it gains (`replan`), with
+        the profiles of the plan in force. False (and the current plan kept) when the solve
+        or the hand-over failed; the reason is logged."""
         self.busy = True
         try:
-            solve = functools.partial(replan, self.cfg, self.slices, self.setup,
-                                      origin=self._clock(), rates=rates)
+            solve = (functools.partial(setup_policy, self.cfg, self.slices,
+                                       origin=self._clock(), rates=rates, profiles=profiles,
+                                       replicas=self.setup.replicas) if profiles is not None
+                     else functools.partial(replan, self.cfg, self.slices, self.setup,
+                                            origin=self._clock(), rates=rates,
+                                            profiles=served_of(self.setup)))
             setup = await (self.solver.call(solve) if self.solver is not None
                            else asyncio.to_thread(solve))
             if setup is None:  # the plan in force predicts as much for these rates

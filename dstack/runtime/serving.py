@@ -306,7 +306,7 @@ class Runtime:
         await self._correct_profiles(ready)
         if adapts:
             self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
-                                       self.setup, self._solver)
+                                       self.setup, self._solver, self._live_batch_s)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
         self._lag_watch = asyncio.create_task(self._watch_lag(), name="dstack-loop-lag")
@@ -338,6 +338,14 @@ class Runtime:
             setup_policy, self.cfg, self.slices, origin=self._clock(), profiles=profiles,
             replicas=setup.replicas)
         await self._hand_over(corrected, {})
+
+    def _live_batch_s(self) -> dict[str, float]:
+        """What a batch of one item takes by each worker's live estimate, where real
+        batches have confirmed it (the re-planner compares it with the plan's profiles)."""
+        core = self.core
+        if core is None:
+            return {}
+        return {w: est.estimate_s(1) for w, est in core.trusted_estimates().items()}
 
     async def stop(self) -> None:
         self._closing = True

@@ -123,3 +123,42 @@ def test_a_machine_slower_than_its_profiles_is_planned_with_the_latencies_it_mea
                     if "resnet18" in lane.models)
     assert round_ms(after) > 2 * round_ms(before)
     assert corrected_profiles(cfg, profiles, warmup_ratios(setup, said))[1] == {}
+
+
+def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_them() -> None:
+    """Live estimates 3x the plan's for two samples running, the plan `hold_s` old: the
+    re-planner plans again with that model's profile scaled 3x, once; a single slow
+    sample, or one within the margin, changes nothing."""
+    import asyncio
+
+    from dstack.runtime.replanner import Replanner
+
+    cfg = parse_config({
+        "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
+        "adapt": {"hold_s": 5.0},
+        "models": [{"name": "mobilenet_v3_small", "slo_ms": 60, "max_batch_size": 8,
+                    "rate_rps": 20},
+                   {"name": "resnet18", "slo_ms": 250, "max_batch_size": 8, "rate_rps": 5}]})
+    backend = CpuSlices((0, 1))
+    setup = setup_policy(cfg, backend, origin=0.0)
+    planned = {w: e.estimate_s(1) for w, e in setup.estimates.items()}
+    slow = {"resnet18": 3.0}
+    applied: list[object] = []
+
+    async def apply(new: object, rates: dict[str, float]) -> None:
+        applied.append(new)
+
+    live = {w: s * slow.get(w, 1.1) for w, s in planned.items()}
+    rp = Replanner(cfg, backend, apply, lambda: 0.0, setup, None, lambda: dict(live))
+    assert rp._drifted(1.0) is None  # one sample
+    assert rp._drifted(2.0) is None  # two, but the plan is not hold_s old
+    got = rp._drifted(6.0)
+    assert got is not None
+    assert got["resnet18"].latency_ms(2, 50.0) == pytest.approx(
+        3 * setup.profiles["resnet18"].latency_ms(2, 50.0))
+    assert got["mobilenet_v3_small"] is setup.profiles["mobilenet_v3_small"]
+    assert asyncio.run(rp.replan({"mobilenet_v3_small": 20.0, "resnet18": 5.0}, got))
+    assert len(applied) == 1 and rp.setup is applied[0]
+    # the new plan's estimates are the live ones: nothing drifts any more
+    live = {w: e.estimate_s(1) for w, e in rp.setup.estimates.items()}
+    assert [rp._drifted(t) for t in (20.0, 21.0, 30.0)] == [None, None, None]
