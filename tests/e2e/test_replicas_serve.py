@@ -4,6 +4,7 @@ request answered, the same answer whichever worker ran it, and one set of counte
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +28,12 @@ def _get(url: str, path: str, body: bytes | None = None) -> dict:
 def server_config(tmp_path: Path) -> dict:
     """This module's server (tests/e2e/conftest.py `module_server`)."""
     # resnet18 at 50 rps within 300 ms: one worker on both cores serves ~30 rps in time
-    # (committed CPU profiles), one per core at batch 1 more: the planner picks two.
+    # (committed CPU profiles), one per core at batch 1 more: the planner picks two. The
+    # plan is made from those profiles as they are (`profile_margin: null`), whatever this
+    # machine's speed: what is tested is two workers under one name, not the plan.
     return {
         "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
+        "profile_margin": None,
         "adapt": {"enabled": False},
         "models": [{"name": "resnet18", "slo_ms": 300, "max_batch_size": 16,
                     "rate_rps": 50}],
@@ -55,13 +59,16 @@ def test_a_hot_model_is_served_by_two_workers_under_one_name(
         try:
             inp = httpclient.InferInput("input", list(x.shape), "FP32")
             inp.set_data_from_numpy(x)
-            for _try in range(10):  # a 429 on this busy machine: send it again, as a client
+            # 300 ms may be tight for this machine: a refused request is sent again, as a
+            # client would (the server paces it: a refusal is held while it stands)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
                 try:
                     return client.infer("resnet18", [inp]).as_numpy("output")
                 except InferenceServerException as e:
                     if e.status() != "429":
                         raise
-            raise AssertionError("refused 10 times")
+            raise AssertionError("refused for 120 s")
         finally:
             client.close()
 

@@ -16,6 +16,7 @@ import dstack.runtime.replanner as replanner_mod
 from dstack.common.config import DeployConfig, parse_config
 from dstack.common.errors import BackendError
 from dstack.common.slices import SliceBackend
+from dstack.common.types import Profile
 from dstack.policies.planning import PolicySetup, setup_policy
 from dstack.runtime.messages import BatchDone
 from dstack.runtime.serving import Runtime
@@ -111,9 +112,10 @@ def test_a_slow_replan_does_not_stall_health_checks_or_requests(
     write_cpu_profiles(tmp_path)
     cfg = parse_config(config("dstack", tmp_path, slo_ms=3000))
     def slow_replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *,
-                    origin: float, rates: dict[str, float]) -> PolicySetup:
+                    origin: float, rates: dict[str, float],
+                    profiles: dict[str, Profile] | None = None) -> PolicySetup:
         time.sleep(3.0)  # blocks the thread it runs in, as a long solve does
-        return setup_policy(cfg, backend, origin=origin, rates=rates,
+        return setup_policy(cfg, backend, origin=origin, rates=rates, profiles=profiles,
                             replicas=current.replicas)  # taken, whatever it predicts
 
     monkeypatch.setattr(replanner_mod, "replan", slow_replan)
