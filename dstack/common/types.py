@@ -209,10 +209,6 @@ class Profile:
             knee={b: 100.0 * min(n, units(p)) / n for b, p in self.knee.items()},
             provenance=f"{self.provenance} (on {n} of its {total} cores)".strip())
 
-    def scaled(self, factor: float) -> Profile:
-        """This profile with every latency times `factor` (the module's `scaled`)."""
-        return scaled(self, factor)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "profile") -> Profile:
         schema = d.get("schema")

@@ -199,11 +199,11 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     return PolicySetup(policy, plan, schedule, profiles, estimates, run_cfg, counts)
 
 
-def warmup_ratios(setup: PolicySetup, warm_s: Mapping[str, float]
+def latency_ratios(setup: PolicySetup, warm_s: Mapping[str, float]
                   ) -> dict[str, tuple[float, float]]:
-    """Per served model with a profile: what its workers' warm-up batches of one item
-    took (`warm_s`, seconds, by worker; the median over its workers) and what its profile
-    says at their slices (the estimates it seeded)."""
+    """Per served model with a profile: what its workers' batches of one item took
+    (`warm_s`, seconds, by worker: at warm-up, or by their live estimates; the median over
+    its workers) and what the profile says at their slices (the estimates it seeded)."""
     got: dict[str, list[tuple[float, float]]] = {}
     for worker, seconds in warm_s.items():
         est = setup.estimates.get(worker)
@@ -224,7 +224,7 @@ def corrected_profiles(cfg: DeployConfig, profiles: Mapping[str, Profile],
                        ) -> tuple[dict[str, Profile], dict[str, float]]:
     """`profiles` (by served model) with the latencies of each model whose warm-up
     disagrees with its profile by more than `cfg.profile_margin` scaled by measured /
-    profiled (`warmup_ratios`), and those factors (empty: none disagrees)."""
+    profiled (`latency_ratios`), and those factors (empty: none disagrees)."""
     if cfg.profile_margin is None:
         return dict(profiles), {}
     hi = 1 + cfg.profile_margin

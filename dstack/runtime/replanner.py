@@ -37,10 +37,10 @@ from dstack.common.types import Profile
 from dstack.policies.planning import (
     PolicySetup,
     corrected_profiles,
+    latency_ratios,
     replan,
     served_of,
     setup_policy,
-    warmup_ratios,
 )
 from dstack.runtime.adapt import tracker_for, trigger_for
 
@@ -183,7 +183,7 @@ class Replanner:
         if self._live_s is None or self.cfg.profile_margin is None:
             return None
         served = served_of(self.setup)
-        ratios = warmup_ratios(self.setup, self._live_s())
+        ratios = latency_ratios(self.setup, self._live_s())
         profiles, factors = corrected_profiles(self.cfg, served, ratios)
         self._slow_streak = self._slow_streak + 1 if factors else 0
         if self._slow_streak < self.trigger.confirm or not self.trigger.held(now):

@@ -52,9 +52,9 @@ from dstack.policies.latency import LinearLatency
 from dstack.policies.planning import (
     PolicySetup,
     corrected_profiles,
-    served_profiles,
+    latency_ratios,
+    served_of,
     setup_policy,
-    warmup_ratios,
 )
 from dstack.policies.replicas import public_name, replica_groups, replica_names
 from dstack.runtime.dispatch import (
@@ -323,8 +323,8 @@ class Runtime:
         if (self.cfg.policy not in (PolicyName.DSTACK, PolicyName.SPATIAL)
                 or self.cfg.profile_margin is None or not setup.profiles):
             return
-        ratios = warmup_ratios(setup, {w: r.warm_ms_batch1 / 1000 for w, r in ready.items()})
-        served = served_profiles(self.cfg, backend=self.slices)
+        ratios = latency_ratios(setup, {w: r.warm_ms_batch1 / 1000 for w, r in ready.items()})
+        served = served_of(setup)
         profiles, factors = corrected_profiles(self.cfg, served, ratios)
         if not factors:
             return

@@ -314,7 +314,7 @@ def test_scaled_multiplies_every_latency_and_says_so() -> None:
     assert s.knee == p.knee and s.device == p.device
     assert p.cell(1, 100.0).p50_ms == 1.0  # the original as it was
     assert "scaled x3" in s.provenance and s.provenance.startswith(p.provenance)
-    assert p.scaled(0.5).cell(1, 100.0).p50_ms == pytest.approx(0.5)
+    assert scaled(p, 0.5).cell(1, 100.0).p50_ms == pytest.approx(0.5)
     assert scaled(p, 1.0) is p
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="scale factor"):

@@ -12,10 +12,10 @@ from dstack.common.slices import CpuSlices, MpsSlices
 from dstack.policies.planning import (
     REPLAN_GAIN,
     corrected_profiles,
+    latency_ratios,
     replan,
     served_profiles,
     setup_policy,
-    warmup_ratios,
 )
 from dstack.simulate import generate, simulate
 
@@ -107,7 +107,7 @@ def test_a_machine_slower_than_its_profiles_is_planned_with_the_latencies_it_mea
     setup = setup_policy(cfg, CpuSlices((0, 1)), origin=0.0, profiles=profiles)
     said = {w: e.estimate_s(1) for w, e in setup.estimates.items()}
     warm = {w: s * (3.0 if w.startswith("resnet18") else 1.1) for w, s in said.items()}
-    ratios = warmup_ratios(setup, warm)
+    ratios = latency_ratios(setup, warm)
     assert ratios["resnet18"][0] == pytest.approx(3 * ratios["resnet18"][1])
     fixed, factors = corrected_profiles(cfg, profiles, ratios)
     assert factors == {"resnet18": pytest.approx(3.0)}  # mobilenet's 1.1 is within 0.3
@@ -122,7 +122,7 @@ def test_a_machine_slower_than_its_profiles_is_planned_with_the_latencies_it_mea
         return next(lane.round_ms for lane in plan.lanes  # type: ignore[attr-defined]
                     if "resnet18" in lane.models)
     assert round_ms(after) > 2 * round_ms(before)
-    assert corrected_profiles(cfg, profiles, warmup_ratios(setup, said))[1] == {}
+    assert corrected_profiles(cfg, profiles, latency_ratios(setup, said))[1] == {}
 
 
 def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_them() -> None:
