@@ -24,7 +24,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from server.main import serve
 
-    return serve(args.config, host=args.host, port=args.port)
+    return serve(args.config, host=args.host, port=args.port, grpc_port=args.grpc_port)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="deployment YAML file")
     s.add_argument("--host", default=None, help="override server.host")
     s.add_argument("--port", type=int, default=None, help="override server.port")
+    s.add_argument("--grpc-port", type=int, default=None,
+                   help="override server.grpc_port (the gRPC endpoint; 0: off)")
     s.set_defaults(func=_cmd_serve)
 
     pr = sub.add_parser("profile", help="measure this machine's profiles of a config's models "

@@ -8,7 +8,6 @@ code, an unexpected exception as 500 (and logged with its traceback).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -23,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dstack.common.backend import InferenceBackend, ModelStats
+from dstack.common.backend import InferenceBackend
 from dstack.common.errors import (
     DStackError,
     ModelNotFound,
@@ -31,31 +30,25 @@ from dstack.common.errors import (
     RequestError,
     Unavailable,
 )
-from dstack.common.types import ModelSpec, TensorSpec
+from dstack.common.types import ModelSpec
 from server import codec
+from server.api import (  # noqa: F401 - model_metadata and triton_stats: imported from here
+    EXTENSIONS,
+    MODEL_VERSION,
+    PLATFORM,
+    SERVER_NAME,
+    ServingApi,
+    model_metadata,
+    triton_stats,
+    version,
+)
 from server.connection import RECEIVED_AT
 from server.dashboard import install_dashboard
 from server.early import HELD, INFER_PATH
 from server.limits import error_json, header, retry_after
 from server.metrics import CONTENT_TYPE, Metrics
-from server.model_config import triton_model_config
 
 log = logging.getLogger("dstack.server")
-
-SERVER_NAME = "dstack"
-MODEL_VERSION = "1"
-PLATFORM = "pytorch_libtorch"  # what Triton reports for TorchScript models
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dstack-serve")
-    except PackageNotFoundError:
-        return "0.0.0+unknown"
-
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
@@ -180,21 +173,6 @@ class _InferFirst:
         await self.app(scope, receive, send)
 
 
-def _tensor_meta(t: TensorSpec) -> dict[str, Any]:
-    return {"name": t.name, "datatype": t.datatype.value, "shape": list(t.shape)}
-
-
-def model_metadata(spec: ModelSpec) -> dict[str, Any]:
-    return {
-        "name": spec.name,
-        "versions": [MODEL_VERSION],
-        "platform": PLATFORM,
-        "inputs": [_tensor_meta(t) for t in spec.inputs],
-        "outputs": [_tensor_meta(t) for t in spec.outputs],
-        "max_batch_size": spec.max_batch_size,
-    }
-
-
 def create_app(
     backend: InferenceBackend,
     *,
@@ -204,12 +182,14 @@ def create_app(
 ) -> FastAPI:
     """Build the app. `lifespan` starts and stops the backend (see `server.main`);
     tests pass a ready fake backend and none."""
-    app = FastAPI(title=title, version=_version(), lifespan=lifespan)
+    app = FastAPI(title=title, version=version(), lifespan=lifespan)
     app.add_middleware(_CatchAll)
-    server_meta = {"name": SERVER_NAME, "version": _version(), "extensions": EXTENSIONS}
     metrics = Metrics(backend, MODEL_VERSION)
     app.state.metrics = metrics
     dashboard = install_dashboard(app, backend, metrics, MODEL_VERSION)  # GET /dashboard
+    api = ServingApi(backend, metrics, dashboard.latency.observe)
+    app.state.api = api  # what the gRPC endpoint serves (server.grpc_server)
+    server_meta = api.server_meta
 
     @app.exception_handler(DStackError)
     async def _dstack_error(_: Request, e: DStackError) -> Response:
@@ -228,52 +208,10 @@ def create_app(
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return _error(400, f"bad request: {e.errors()}")
 
-    def spec_of(model: str, version: str | None) -> ModelSpec:
-        spec = backend.spec(model)  # ModelNotFound (404) for unknown names
-        if version is not None and version != MODEL_VERSION:
-            raise ModelNotFound(
-                f"model {model} has no version {version!r} (only {MODEL_VERSION!r})"
-            )
-        return spec
-
-    def require_ready(model: str) -> None:
-        if not backend.is_model_ready(model):
-            raise Unavailable(f"model {model} is not ready")
-
-    # A backend that can queue requests while a model's worker restarts says itself
-    # whether one can be taken now (`Runtime.check_admission`); others must be ready.
-    check_admission: Callable[[str], None] = getattr(backend, "check_admission", require_ready)
-    # A backend that can tell whether it would refuse n items now, without queuing them,
-    # says so once the request's header is parsed (`Runtime.check_batch`).
-    # (model, n, since_s, ready_s): see `Runtime.check_batch`.
-    check_batch: Callable[[str, int, float, float], None] | None = getattr(
-        backend, "check_batch", None)
-    # (model, seconds from the first byte to the whole body): see `Runtime.observe_body`.
-    observe_body: Callable[[str, float], None] | None = getattr(backend, "observe_body", None)
-    # A request let through at its header with a hold on the queue (server.early.HELD)
-    # gives it back here, just before its real batch is checked.
-    release: Callable[..., None] | None = getattr(backend, "release", None)
-
-    async def decode_data(head: codec.RequestHead, model: str,
-                          received: float) -> codec.InferRequest:
-        """The request's JSON values, parsed on the loop a piece at a time (0.2 to
-        1.4 ms each), letting other requests run between pieces (docs/reliability.md).
-        After the first piece of a body with more, the backend is asked again whether the
-        request can meet its SLO, its parse taking yet what the rest takes at this
-        piece's pace: a body that would be parsed too late is refused unparsed."""
-        steps = codec.decode_data(head)
-        first = check_batch is not None
-        while True:
-            t0 = time.perf_counter()  # the parser's time only, not other requests' turns
-            try:
-                done = next(steps)
-            except StopIteration as end:
-                return end.value  # type: ignore[no-any-return]
-            if first:
-                first = False
-                rest_s = (time.perf_counter() - t0) * (head.json_bytes - done) / done
-                check_batch(model, head.batch_size, time.monotonic() - received, rest_s)
-            await asyncio.sleep(0)
+    spec_of = api.spec_of
+    check_admission = api.check_admission
+    observe_body = api.observe_body
+    release = api.release
 
     # ------------------------------------------------------------------ server
 
@@ -307,22 +245,9 @@ def create_app(
 
     @app.post("/v2/repository/index")
     async def repository_index(request: Request) -> list[dict[str, str]]:
-        only_ready = (await repository_body(request)).get("ready") is True
-        index_of = getattr(backend, "repository_index", None)
-        if index_of is not None:  # every model known, loaded or not, with its state
-            entries = [{"name": e.name, "version": MODEL_VERSION, "state": e.state.value,
-                        **({"reason": e.reason} if e.reason else {})} for e in index_of()]
-        else:
-            entries = [{"name": m, "version": MODEL_VERSION,
-                        "state": "READY" if backend.is_model_ready(m) else "UNAVAILABLE"}
-                       for m in backend.model_names()]
-        return [e for e in entries if not only_ready or e["state"] == "READY"]
+        return api.repository_index((await repository_body(request)).get("ready") is True)
 
-    def repository(action: str) -> Any:
-        fn = getattr(backend, f"{action}_model", None)
-        if fn is None:
-            raise RequestError(f"this server cannot {action} models at run time")
-        return fn
+    repository = api.repository
 
     @app.post("/v2/repository/models/{model}/load")
     async def load_model(model: str, request: Request) -> dict[str, Any]:
@@ -331,15 +256,7 @@ def create_app(
         params = (await repository_body(request)).get("parameters", {})
         if not isinstance(params, dict):
             raise RequestError("parameters must be a JSON object")
-        config = params.get("config")
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except ValueError as e:
-                raise RequestError(f"parameters.config is not JSON: {e}") from None
-        if config is not None and not isinstance(config, dict):
-            raise RequestError("parameters.config must be a JSON object (as a string)")
-        await repository("load")(model, config)
+        await repository("load")(model, api.load_config(params.get("config")))
         return {}
 
     @app.post("/v2/repository/models/{model}/unload")
@@ -355,20 +272,14 @@ def create_app(
 
     async def model_ready(model: str, version: str | None = None) -> dict[str, Any]:
         spec_of(model, version)
-        require_ready(model)
+        api.require_ready(model)
         return {"name": model, "ready": True}
 
     async def stats(model: str, version: str | None = None) -> dict[str, Any]:
-        spec_of(model, version)
-        # Failures are counted in one place, where every failed infer request passes (the
-        # infer route, below: refusals before the backend saw the request included), and
-        # read from there by /metrics too, so that both say the same.
-        s = dataclasses.replace(backend.stats(model),
-                                request_failure=metrics.failures.total(model))
-        return {"model_stats": [triton_stats(s)]}
+        return {"model_stats": [api.model_stats(model, version)]}
 
     async def config(model: str, version: str | None = None) -> dict[str, Any]:
-        return triton_model_config(backend, spec_of(model, version), PLATFORM)
+        return api.model_config(model, version)
 
     latency = dashboard.latency
 
@@ -418,10 +329,8 @@ def create_app(
         held = scope.pop(HELD, None)
         if held is not None and release is not None:
             release(*held)
-        if check_batch is not None:  # refused by its batch size before its numbers are parsed
-            check_batch(model, head.batch_size, time.monotonic() - received, 0.0)
-        req = await decode_data(head, model, received)
-        outputs = await backend.infer(model, req.inputs, time.monotonic() - received)
+        # refused by its batch size before its numbers are parsed, else parsed and run
+        req, outputs = await api.run(model, head, received)
         return codec.encode_response(model, req, outputs, spec)
 
     class InferRoute:
@@ -464,25 +373,3 @@ def create_app(
     app.state.infer_endpoint = infer  # what front ends in other processes call (server.frontends)
     return app
 
-
-def triton_stats(s: ModelStats) -> dict[str, Any]:
-    """One entry of Triton's `model_stats` from a `ModelStats`.
-
-    Triton sums durations per request; we know the total time requests spent queued and
-    the total time batches ran, so those are reported as `queue` and `compute_infer`, and
-    the raw counters (refusals, SLO, pending) under `dstack`.
-    """
-    avg_batch = s.inference_count / s.execution_count if s.execution_count else 0.0
-    return {
-        "name": s.model,
-        "version": MODEL_VERSION,
-        "inference_count": s.inference_count,
-        "execution_count": s.execution_count,
-        "inference_stats": {
-            "success": {"count": s.request_success},
-            "fail": {"count": s.request_failure},
-            "queue": {"count": s.request_success, "ns": s.queue_ns},
-            "compute_infer": {"count": s.execution_count, "ns": s.compute_ns},
-        },
-        "dstack": {**s.to_dict(), "avg_batch_size": avg_batch},
-    }

@@ -222,6 +222,53 @@ def _check_shape(shape: tuple[int, ...], ts: TensorSpec, spec: ModelSpec, where:
             )
 
 
+def check_input(spec: ModelSpec, specs: Mapping[str, TensorSpec], index: int, name: object,
+                datatype: object, shape: object, names: Sequence[str],
+                batch: int | None) -> tuple[str, DType, tuple[int, ...]]:
+    """Validate the `index`-th input of a request (HTTP's JSON or gRPC's message) against
+    the model: a known name not given before (`names`), its datatype, its shape and batch
+    dimension (`batch`: the other inputs', None for the first). `specs`: `spec.inputs` by
+    name. Returns the name, datatype and shape; raises RequestError naming what is wrong."""
+    if not isinstance(name, str):
+        raise RequestError(f"inputs[{index}] has no 'name'")
+    where = f"input {name!r}"
+    ts = specs.get(name)
+    if ts is None:
+        known = ", ".join(repr(n) for n in specs)
+        raise RequestError(f"unknown input {name!r}; model {spec.name} has inputs {known}")
+    if name in names:
+        raise RequestError(f"{where} appears twice")
+    dt = _parse_datatype(datatype, where)
+    if dt != ts.datatype:
+        raise RequestError(
+            f"{where} has datatype {dt.value}, model {spec.name} expects {ts.datatype.value}"
+        )
+    dims = _parse_shape(shape, where)
+    _check_shape(dims, ts, spec, where)
+    if batch is not None and dims[0] != batch:
+        raise RequestError(f"{where} has batch dimension {dims[0]}, other inputs have {batch}")
+    return name, dt, dims
+
+
+def check_size(size: int, dt: DType, shape: tuple[int, ...], where: str, what: str) -> int:
+    """The element count of a raw tensor of `shape` and `dt` whose bytes number `size`
+    (`what` names where the size came from); RequestError when they do not match."""
+    count = math.prod(shape)
+    if size != count * NP_DTYPES[dt].itemsize:
+        raise RequestError(
+            f"{where}: {what} {size} does not match shape {_fmt(shape)} "
+            f"of {dt.value} ({count * NP_DTYPES[dt].itemsize} bytes)"
+        )
+    return count
+
+
+def check_complete(spec: ModelSpec, names: Sequence[str]) -> None:
+    """RequestError naming the first input of the model that `names` leaves out."""
+    missing = [t.name for t in spec.inputs if t.name not in names]
+    if missing:
+        raise RequestError(f"missing input {missing[0]!r} of model {spec.name}")
+
+
 # --------------------------------------------------------------------------- server side
 
 
@@ -235,6 +282,12 @@ class _JsonInput:
     shape: tuple[int, ...]
     value: object = None
     span: tuple[int, int] | None = None
+
+
+def values_input(name: str, dt: DType, shape: tuple[int, ...], values: list[Any]) -> _JsonInput:
+    """An input given as a list of values (gRPC's typed `contents`) for a `RequestHead`:
+    `decode_data` checks and converts them as it does a JSON `data` array."""
+    return _JsonInput(name, dt, shape, value=values)
 
 
 @dataclass(slots=True)  # not frozen: made once per request, and frozen inits cost more
@@ -336,25 +389,9 @@ def parse_request(body: bytes | memoryview, header_length: int | str | None,
     for i, t in enumerate(raw_inputs):
         if not isinstance(t, dict):
             raise RequestError(f"inputs[{i}] must be an object")
-        name = t.get("name")
-        if not isinstance(name, str):
-            raise RequestError(f"inputs[{i}] has no 'name'")
+        name, dt, shape = check_input(spec, specs, i, t.get("name"), t.get("datatype"),
+                                      t.get("shape"), names, batch)
         where = f"input {name!r}"
-        ts = specs.get(name)
-        if ts is None:
-            known = ", ".join(repr(n) for n in specs)
-            raise RequestError(f"unknown input {name!r}; model {spec.name} has inputs {known}")
-        if name in names:
-            raise RequestError(f"{where} appears twice")
-        dt = _parse_datatype(t.get("datatype"), where)
-        if dt != ts.datatype:
-            raise RequestError(
-                f"{where} has datatype {dt.value}, model {spec.name} expects {ts.datatype.value}"
-            )
-        shape = _parse_shape(t.get("shape"), where)
-        _check_shape(shape, ts, spec, where)
-        if batch is not None and shape[0] != batch:
-            raise RequestError(f"{where} has batch dimension {shape[0]}, other inputs have {batch}")
         batch = shape[0]
         tparams = _params(t, where)
         if "shared_memory_region" in tparams:
@@ -369,19 +406,14 @@ def parse_request(body: bytes | memoryview, header_length: int | str | None,
                 )
             if type(size) is not int or size < 0:
                 raise RequestError(f"{where}: binary_data_size must be a non-negative integer")
-            dtype = NP_DTYPES[dt]
-            count = math.prod(shape)
-            if size != count * dtype.itemsize:
-                raise RequestError(
-                    f"{where}: binary_data_size {size} does not match shape {_fmt(shape)} "
-                    f"of {dt.value} ({count * dtype.itemsize} bytes)"
-                )
+            count = check_size(size, dt, shape, where, "binary_data_size")
             if offset + size > len(body):
                 raise RequestError(
                     f"{where}: binary_data_size {size} runs past the end of the body "
                     f"({len(body) - offset} bytes of binary data left)"
                 )
-            binary_inputs[name] = np.frombuffer(body, dtype, count, offset).reshape(shape)
+            binary_inputs[name] = np.frombuffer(body, NP_DTYPES[dt], count,
+                                                offset).reshape(shape)
             offset += size
         elif "data" in t:
             data = t["data"]
@@ -397,14 +429,12 @@ def parse_request(body: bytes | memoryview, header_length: int | str | None,
             f"body has {len(body) - offset} bytes after the header and binary tensors "
             "that no binary_data_size accounts for"
         )
-    missing = [n for n in specs if n not in names]
-    if missing:
-        raise RequestError(f"missing input {missing[0]!r} of model {spec.name}")
+    check_complete(spec, names)
 
     binary_output = params.get("binary_data_output", False)
     if not isinstance(binary_output, bool):
         raise RequestError("parameters.binary_data_output must be true or false")
-    outputs = _parse_outputs(header.get("outputs"), spec)
+    outputs = parse_outputs(header.get("outputs"), spec)
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise RequestError("'id' must be a string")
@@ -480,7 +510,7 @@ def _json_array(body: bytes, j: _JsonInput) -> Generator[int, None, np.ndarray]:
     return out.reshape(j.shape)
 
 
-def _parse_outputs(raw: object, spec: ModelSpec) -> tuple[RequestedOutput, ...]:
+def parse_outputs(raw: object, spec: ModelSpec) -> tuple[RequestedOutput, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -532,24 +562,19 @@ def _encode(
     return b"".join([header, *chunks]), len(header)
 
 
-def encode_response(
+def response_outputs(
     model_name: str,
     request: InferRequest,
     outputs: Mapping[str, np.ndarray],
     spec: ModelSpec,
-    *,
-    model_version: str = "1",
-) -> tuple[bytes, int | None]:
-    """Encode the outputs the request asked for (all of them when it named none).
-
-    Returns the body and the value of `Inference-Header-Content-Length` (None when no
-    output is binary: the whole body is JSON). An output is binary when its own
-    `binary_data` says so, else when the request's `binary_data_output` does. A backend
-    that returned a wrong output raises BackendError (500): the request was fine.
-    """
+) -> list[tuple[str, DType, np.ndarray, bool]]:
+    """The outputs to answer `request` with (all of the model's when it named none), in
+    order: name, datatype, array, and whether it goes out binary (its own `binary_data`,
+    else the request's `binary_data_output`). A backend that returned a wrong output
+    raises BackendError (500): the request was fine."""
     specs = {t.name: t for t in spec.outputs}
     wanted = request.outputs or tuple(RequestedOutput(n) for n in specs)
-    tensors = []
+    out = []
     for want in wanted:
         arr = outputs.get(want.name)
         if arr is None:
@@ -559,9 +584,26 @@ def encode_response(
                 f"model {model_name} returned output {want.name!r} of shape {_fmt(arr.shape)} "
                 f"for a batch of {request.batch_size}"
             )
-        dt = specs[want.name].datatype
         binary = request.binary_output if want.binary is None else want.binary
-        tensors.append((_tensor_json(want.name, dt, arr), arr, dt, binary))
+        out.append((want.name, specs[want.name].datatype, arr, binary))
+    return out
+
+
+def encode_response(
+    model_name: str,
+    request: InferRequest,
+    outputs: Mapping[str, np.ndarray],
+    spec: ModelSpec,
+    *,
+    model_version: str = "1",
+) -> tuple[bytes, int | None]:
+    """Encode the outputs the request asked for (`response_outputs`).
+
+    Returns the body and the value of `Inference-Header-Content-Length` (None when no
+    output is binary: the whole body is JSON).
+    """
+    tensors = [(_tensor_json(name, dt, arr), arr, dt, binary)
+               for name, dt, arr, binary in response_outputs(model_name, request, outputs, spec)]
     head: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         head["id"] = request.id

@@ -40,6 +40,7 @@ from server.memory import steady_server_heap
 
 if TYPE_CHECKING:
     from dstack.runtime.serving import Runtime
+    from server.grpc_server import GrpcEndpoint
 
 log = logging.getLogger("dstack.server")
 
@@ -129,31 +130,84 @@ class _Serving(uvicorn.Server):
     connections drained."""
 
     def __init__(self, config: uvicorn.Config, runtime: Startable,
-                 on_ready: Callable[[], None]) -> None:
+                 on_ready: Callable[[], None], grpc: GrpcPort | None = None) -> None:
         super().__init__(config)
         self.runtime = runtime
         self.on_ready = on_ready
+        self.grpc = grpc
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.should_exit:  # stopped before it started
             return
-        await self.runtime.start()
-        if self.should_exit:  # a signal while the workers were starting
-            await self.runtime.stop()
-            return
+        if self.grpc is not None:
+            self.grpc.bind()  # before the workers start: a port in use fails fast
         try:
-            await super().startup(sockets)
+            await self.runtime.start()
+            if self.should_exit:  # a signal while the workers were starting
+                await self.runtime.stop()
+                if self.grpc is not None:
+                    await self.grpc.stop(0)
+                return
+            try:
+                await super().startup(sockets)
+                if self.grpc is not None:
+                    await self.grpc.start()
+            except BaseException:
+                await self.runtime.stop()
+                raise
         except BaseException:
-            await self.runtime.stop()
+            if self.grpc is not None:
+                await self.grpc.stop(0)
             raise
         freeze_startup_objects()  # a full collection must not stop the loop for ~150 ms
         self.on_ready()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         try:
-            await super().shutdown(sockets)
+            if self.grpc is None:
+                await super().shutdown(sockets)
+            else:  # both drain together, within the same grace
+                await asyncio.gather(super().shutdown(sockets),
+                                     self.grpc.stop(self.config.timeout_graceful_shutdown))
         finally:
             await self.runtime.stop()
+
+
+class GrpcPort:
+    """The gRPC endpoint `dstack serve` runs beside HTTP, in its event loop
+    (`server.grpc_server`): bound before the workers start, serving once they are ready.
+    `explicit`: the port was asked for (the config or `--grpc-port`), and one that cannot
+    be bound fails the start; else (the default port) gRPC is off with a warning."""
+
+    def __init__(self, endpoint: GrpcEndpoint, explicit: bool) -> None:
+        self.endpoint = endpoint
+        self.explicit = explicit
+        self.bound = False
+
+    def bind(self) -> None:
+        try:
+            # Tried with a socket of our own first: grpcio's failure also logs a line of
+            # its own on stderr, and a start-up error is one line.
+            bind(self.endpoint.host, self.endpoint.port).close()
+            self.endpoint.bind()
+        except (OSError, OverflowError, RuntimeError):  # grpcio: "Failed to bind to ..."
+            where = self.endpoint.address
+            if self.explicit:
+                raise StartupError(f"cannot listen for gRPC on {where}: the port is in use "
+                                   "or the address is not this host's (server.grpc_port, "
+                                   "--grpc-port; 0 turns gRPC off)") from None
+            log.warning("gRPC off: cannot listen on %s, server.grpc_port's default (set it "
+                        "or --grpc-port to a free port, 0 to turn gRPC off)", where)
+            return
+        self.bound = True
+
+    async def start(self) -> None:
+        if self.bound:
+            await self.endpoint.start()
+            log.info("gRPC (KServe v2 / Triton) on %s", self.endpoint.address)
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self.endpoint.stop(grace_s or 0.0)
 
 
 class _Dispatching:
@@ -161,8 +215,10 @@ class _Dispatching:
     processes (`server.frontends`), which serve the socket; `run` as `_Serving.run`."""
 
     def __init__(self, app: FastAPI, runtime: Startable, cfg: DeployConfig, config_path: Path,
-                 frontend_cores: tuple[int, ...] | None, on_ready: Callable[[], None]) -> None:
+                 frontend_cores: tuple[int, ...] | None, on_ready: Callable[[], None],
+                 grpc: GrpcPort | None = None) -> None:
         self.app = app
+        self.grpc = grpc
         self.runtime = runtime
         self.cfg = cfg
         self.config_path = config_path
@@ -187,7 +243,14 @@ class _Dispatching:
             loop.add_signal_handler(sig, stop.set)
         if self.should_exit:
             return
-        await self.runtime.start()
+        if self.grpc is not None:  # served by this process, not by the front ends
+            self.grpc.bind()
+        try:
+            await self.runtime.start()
+        except BaseException:
+            if self.grpc is not None:
+                await self.grpc.stop(0)
+            raise
         folder = Path(tempfile.mkdtemp(prefix="dstack-link-"))
         try:
             dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION)
@@ -197,6 +260,8 @@ class _Dispatching:
                                self.frontend_cores)
             try:
                 await fronts.start(dispatch.hello, timeout_s=120)
+                if self.grpc is not None:
+                    await self.grpc.start()
                 if not stop.is_set():
                     freeze_startup_objects()
                     self.started = True
@@ -205,7 +270,9 @@ class _Dispatching:
                     await stop.wait()
                     watch.cancel()
             finally:
-                await fronts.stop(s.shutdown_grace_s)  # each drains its requests in flight
+                # each drains its requests in flight
+                await asyncio.gather(fronts.stop(s.shutdown_grace_s),
+                                     *([self.grpc.stop(s.shutdown_grace_s)] if self.grpc else []))
                 listening.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -279,9 +346,12 @@ def listen(host: str, port: int, cfg: ServerConfig, token: str | None) -> socket
     return sock
 
 
-def serve(config_path: str | Path, host: str | None = None, port: int | None = None) -> int:
+def serve(config_path: str | Path, host: str | None = None, port: int | None = None,
+          grpc_port: int | None = None) -> int:
     """Serve until SIGINT or SIGTERM. Returns the exit code: 0 after a clean shutdown,
-    2 (with one line on stderr, a bad config file included) when serving could not start."""
+    2 (with one line on stderr, a bad config file included) when serving could not start.
+    `host`, `port`, `grpc_port`: instead of the config's `server.host`, `port`,
+    `grpc_port`."""
 
     def prepare() -> tuple[Runnable, socket.socket]:
         cfg = load_config(config_path)
@@ -308,14 +378,27 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
             log.info("dstack serving %s://%s:%d (policy %s, models %s); ready at "
                      "/v2/health/ready", scheme, shown, bound_port, cfg.policy.value, names)
 
+        def grpc_of(app: FastAPI) -> GrpcPort | None:
+            at_port = grpc_port if grpc_port is not None else cfg.server.grpc_port
+            if not 0 <= at_port <= 65535:
+                raise StartupError(f"--grpc-port {at_port}: give a port in 0..65535 (0: off)")
+            if at_port == 0:
+                return None
+            from server.grpc_server import GrpcEndpoint
+
+            explicit = grpc_port is not None or "grpc_port" in cfg.server.model_fields_set
+            return GrpcPort(GrpcEndpoint(app.state.api, cfg.server, at, at_port, token),
+                            explicit)
+
         if cfg.server.frontends > 1:  # the front ends check the token
             app = build_app(cfg, runtime, start_runtime=False)
             # the front ends on the cores the server's own process leaves, if it was given any
             pinned = cfg.server.cores
             rest = (tuple(c for c in host_cores if c not in pinned) or None) if pinned else None
-            return _Dispatching(app, runtime, cfg, Path(config_path), rest, ready), sock
+            return _Dispatching(app, runtime, cfg, Path(config_path), rest, ready,
+                                grpc_of(app)), sock
         app = build_app(cfg, runtime, auth_token=token, start_runtime=False)
-        return _Serving(server_config(app, cfg.server), runtime, ready), sock
+        return _Serving(server_config(app, cfg.server), runtime, ready, grpc_of(app)), sock
 
     return run_until_stopped(prepare, "dstack")
 

@@ -52,6 +52,11 @@ class ServerConfig(_Strict):
     """Address to bind. Loopback by default: expose it on purpose, not by accident."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     """TCP port (0 picks a free one)."""
+    grpc_port: Annotated[int, Field(ge=0, le=65535)] = 8001
+    """TCP port of the KServe v2 / Triton gRPC endpoint (`server.grpc_server`), on `host`,
+    in the server's own process; 0 turns it off. Left at its default, a port another
+    process holds turns gRPC off with a warning instead of failing the start (a second
+    server on the host); set here or with `--grpc-port`, it must be free."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Largest request body accepted; larger ones get 413."""
     body_budget_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024

@@ -1,0 +1,374 @@
+"""The KServe v2 / Triton gRPC endpoint: `inference.GRPCInferenceService`, as Triton
+publishes it (grpc_service.proto, model_config.proto), served with grpcio's asyncio
+server on the HTTP server's own event loop and process (`server.grpc_port`).
+
+The messages and the servicer's base class are the ones tritonclient ships, generated
+from Triton's proto (`tritonclient.grpc.service_pb2`, `service_pb2_grpc`,
+`model_config_pb2`): an unmodified `tritonclient.grpc` client (sync, aio, streaming) talks
+to it as to Triton. Every RPC is a thin layer over `server.api.ServingApi`, the same calls
+the HTTP routes make: admission, refusals, the infer path, statistics and the counts
+behind `/metrics` are one.
+
+Errors are answered as Triton's gRPC server answers its own (its TRITONSERVER_Error codes
+mapped to `grpc::StatusCode` in its grpc_utils.cc), by the HTTP status dstack gives them:
+
+- 400 bad request -> INVALID_ARGUMENT (Triton's INVALID_ARG);
+- 401 no token -> UNAUTHENTICATED (Triton has no authentication);
+- 404 unknown model or version -> NOT_FOUND (Triton's "Request for unknown model: ... is
+  not found"; some of its older paths said INVALID_ARG or UNAVAILABLE);
+- 413 over `max_body_bytes` -> RESOURCE_EXHAUSTED (grpc's own for a message over its
+  limit, which is set to `max_body_bytes`);
+- 429 refused (queue full, unplanned, work ahead, expired) -> UNAVAILABLE, as Triton
+  answers a full queue ("Exceeds maximum queue size"), not RESOURCE_EXHAUSTED: it is the
+  code gRPC clients and retry policies take for "try again later";
+- 503 not ready, unloading, restarting -> UNAVAILABLE;
+- 500 internal, a worker's fault -> INTERNAL.
+
+A refusal keeps its rule and its time to retry in the trailing metadata (`dstack-reason`,
+`retry-after`), as HTTP has them in its body and header. `ModelStreamInfer` answers each
+request of the stream as it is done (they run side by side, as separate calls would), an
+error as the stream response's `error_message`, which tritonclient hands to the callback.
+
+Not yet: the system and CUDA shared-memory RPCs answer UNIMPLEMENTED (so do trace and log
+settings); with `server.frontends` > 1 the endpoint is served by the server's own process
+only, not by the front ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from functools import wraps
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from dstack.common.config import ServerConfig
+from dstack.common.errors import DStackError
+from server import grpc_codec
+from server.api import MODEL_VERSION, ServingApi, model_metadata
+from server.auth import has_token, is_open
+
+log = logging.getLogger("dstack.server")
+
+#: A `DStackError`'s HTTP status -> the gRPC status it is answered with (module docstring).
+STATUS_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    # Triton answers a full queue UNAVAILABLE ("Exceeds maximum queue size"), the code
+    # gRPC clients and retry policies take for "try again later": so is every refusal.
+    429: grpc.StatusCode.UNAVAILABLE,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_code(e: DStackError) -> grpc.StatusCode:
+    """The gRPC status `e` is answered with (`STATUS_CODES`; another 4xx is
+    INVALID_ARGUMENT, another 5xx INTERNAL)."""
+    code = STATUS_CODES.get(e.status_code)
+    if code is None:
+        code = (grpc.StatusCode.INVALID_ARGUMENT if e.status_code < 500
+                else grpc.StatusCode.INTERNAL)
+    return code
+
+
+def trailing_metadata(e: DStackError) -> tuple[tuple[str, str], ...]:
+    """A refusal's rule and time to retry after (whole seconds, at least 1)."""
+    meta: list[tuple[str, str]] = []
+    if e.rule is not None:
+        meta.append(("dstack-reason", e.rule))
+    if e.retry_after_s is not None:
+        meta.append(("retry-after", str(max(1, -int(-e.retry_after_s // 1)))))
+    return tuple(meta)
+
+
+class Unauthenticated(DStackError):
+    status_code = 401
+    reason = "unauthorized"
+
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _rpc(path: Callable[[Any], str]) -> Callable[[Handler], Handler]:
+    """A unary RPC: authorized as HTTP's `path(request)` would be, its `DStackError`s
+    and unexpected exceptions answered with their status (`status_code`)."""
+
+    def wrap(fn: Handler) -> Handler:
+        @wraps(fn)
+        async def handler(self: InferenceServicer, request: Any,
+                          context: grpc.aio.ServicerContext) -> Any:
+            try:
+                self.authorize(context, path(request))
+                return await fn(self, request, context)
+            except DStackError as e:
+                await _abort(context, e)
+            except Exception as e:  # noqa: BLE001 - answered INTERNAL, as HTTP's 500
+                log.exception("unhandled error in gRPC %s", fn.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, _internal(e))
+
+        return handler
+
+    return wrap
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: DStackError) -> None:
+    if e.status_code >= 500 and not e.logged:
+        log.warning("%s: %s", type(e).__name__, e.message)
+    await context.abort(status_code(e), e.message, trailing_metadata(e))
+
+
+def _internal(e: BaseException) -> str:
+    return f"internal error: {type(e).__name__}: {e}"
+
+
+def _shm(kind: str) -> Handler:
+    async def handler(self: InferenceServicer, request: Any,
+                      context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{kind} shared memory is not supported by this server yet")
+
+    return handler
+
+
+def _model_path(request: Any) -> str:
+    return f"/v2/models/{request.name}"
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """`inference.GRPCInferenceService` over `api`. `token`: the bearer token every RPC
+    must send in its `authorization` metadata, but those whose HTTP path is in
+    `open_paths` (None: no authentication)."""
+
+    def __init__(self, api: ServingApi, token: str | None = None,
+                 open_paths: Iterable[str] = ()) -> None:
+        self.api = api
+        self.token = None if token is None else token.encode()
+        self.open_paths = tuple(open_paths)
+
+    def authorize(self, context: grpc.aio.ServicerContext, path: str) -> None:
+        """Unauthenticated unless the call sends `authorization: Bearer <token>`
+        (checked as `server.auth.BearerAuth` checks the HTTP header)."""
+        if self.token is None or is_open(path, self.open_paths):
+            return
+        meta = [(k.encode(), v.encode() if isinstance(v, str) else v)
+                for k, v in context.invocation_metadata() or ()]
+        if not has_token(meta, self.token):
+            raise Unauthenticated("unauthorized: send the server's token as the metadata "
+                                  "`authorization: Bearer <token>`")
+
+    # ------------------------------------------------------------------ server
+
+    @_rpc(lambda r: "/v2/health/live")
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    @_rpc(lambda r: "/v2/health/ready")
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self.api.backend.is_ready())
+
+    @_rpc(lambda r: "/v2")
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
+        return pb.ServerMetadataResponse(**self.api.server_meta)
+
+    # ------------------------------------------------------------------ models
+
+    @_rpc(lambda r: _model_path(r) + "/ready")
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+        # An unknown model is not ready (Triton answers ready: false, not an error).
+        backend = self.api.backend
+        try:
+            self.api.spec_of(request.name, request.version)
+        except DStackError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=backend.is_model_ready(request.name))
+
+    @_rpc(_model_path)
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+        meta = model_metadata(self.api.spec_of(request.name, request.version))
+        meta.pop("max_batch_size")  # not in Triton's message (the config has it)
+        return json_format.ParseDict(meta, pb.ModelMetadataResponse())
+
+    @_rpc(lambda r: _model_path(r) + "/config")
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+        config = self.api.model_config(request.name, request.version)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, mc.ModelConfig()))
+
+    @_rpc(lambda r: _model_path(r) + "/stats")
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+        names = [request.name] if request.name else self.api.backend.model_names()
+        stats = {"model_stats": [self.api.model_stats(m, request.version) for m in names]}
+        # `dstack`'s own counters have no field in Triton's message: HTTP has them.
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse(),
+                                     ignore_unknown_fields=True)
+
+    # ------------------------------------------------------------------ repository
+
+    @_rpc(lambda r: "/v2/repository/index")
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+        entries = self.api.repository_index(request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries])
+
+    @_rpc(lambda r: f"/v2/repository/models/{r.model_name}/load")
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Any) -> Any:
+        param = request.parameters.get("config")
+        config = None if param is None else self.api.load_config(
+            param.string_param or param.bytes_param.decode(errors="replace"))
+        await self.api.repository("load")(request.model_name, config)
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc(lambda r: f"/v2/repository/models/{r.model_name}/unload")
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Any) -> Any:
+        await self.api.repository("unload")(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # ------------------------------------------------------------------ infer
+
+    @_rpc(lambda r: f"/v2/models/{r.model_name}/infer")
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        return await self.infer(request)
+
+    async def infer(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """One infer request through the HTTP route's path (`ServingApi`): admitted,
+        refused by its batch before its values are converted, run, answered; a failure
+        counted as HTTP counts it and raised (a refusal after its hold, as HTTP's)."""
+        # grpc has the whole message by now: its deadline counts from here (a little
+        # later than HTTP's first byte).
+        received = time.monotonic()
+        t0 = time.perf_counter()
+        api = self.api
+        model = msg.model_name
+        spec = api.spec_of(model, msg.model_version)  # NOT_FOUND: no label for it
+        try:
+            api.check_admission(model)
+            head = grpc_codec.parse_request(msg, spec)
+            req, outputs = await api.run(model, head, received)
+            resp = grpc_codec.encode_response(model, req, outputs, spec, MODEL_VERSION)
+        except DStackError as e:
+            api.count_failure(model, e, "queue" if e.queued else "body", received)
+            if e.hold_s > 0:  # a refusal, paced: `Runtime.hold_s`
+                await asyncio.sleep(e.hold_s)
+            raise
+        except Exception as e:
+            api.count_failure(model, e, "", None)
+            raise
+        api.observe_latency(model, time.perf_counter() - t0)
+        return resp
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context: grpc.aio.ServicerContext
+                               ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request of the stream runs as it comes, side by side with the others
+        (batched together as separate calls would be), and is answered when done: its
+        response, or its error in `error_message` (with the request's id)."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(msg: pb.ModelInferRequest) -> None:
+            try:
+                self.authorize(context, f"/v2/models/{msg.model_name}/infer")
+                resp = pb.ModelStreamInferResponse(infer_response=await self.infer(msg))
+            except Exception as e:  # noqa: BLE001 - every request of the stream is answered
+                if isinstance(e, DStackError):
+                    message = e.message
+                else:
+                    log.exception("unhandled error in gRPC ModelStreamInfer")
+                    message = _internal(e)
+                resp = pb.ModelStreamInferResponse(
+                    error_message=message, infer_response=pb.ModelInferResponse(
+                        model_name=msg.model_name, model_version=msg.model_version,
+                        id=msg.id))
+            await answers.put(resp)
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    task = asyncio.create_task(one(msg))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:  # asyncio.wait, not gather: a cancel here leaves them running
+                    await asyncio.wait(set(running))
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (resp := await answers.get()) is not None:
+                yield resp
+        finally:
+            # The client went away or closed its side: stop reading. Requests in flight
+            # run to their end (every request's future is resolved by the runtime); their
+            # answers are dropped.
+            reader.cancel()
+
+    # ------------------------------------------------------------------ not yet
+
+    SystemSharedMemoryStatus = _shm("system")
+    SystemSharedMemoryRegister = _shm("system")
+    SystemSharedMemoryUnregister = _shm("system")
+    CudaSharedMemoryStatus = _shm("CUDA")
+    CudaSharedMemoryRegister = _shm("CUDA")
+    CudaSharedMemoryUnregister = _shm("CUDA")
+
+
+class GrpcEndpoint:
+    """The gRPC endpoint of a server: `bind()` (in the event loop that will serve it,
+    before the slow start of the runtime: a port in use fails fast), `start()` once the
+    runtime is ready, `stop(grace_s)` to drain."""
+
+    def __init__(self, api: ServingApi, cfg: ServerConfig, host: str, port: int,
+                 token: str | None = None) -> None:
+        self.api = api
+        self.cfg = cfg
+        self.host = host
+        self.port = port
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.token = token
+        self.server: grpc.aio.Server | None = None
+
+    def bind(self) -> int:
+        """Bind the port; returns it. RuntimeError (grpcio's) when it cannot be bound."""
+        cfg = self.cfg
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),  # else a second server binds the port too
+                ("grpc.max_receive_message_length", cfg.max_body_bytes),
+                ("grpc.max_send_message_length", -1),
+            ],
+            # One more RPC is answered RESOURCE_EXHAUSTED, as HTTP's connection cap 503s.
+            maximum_concurrent_rpcs=cfg.max_connections,
+        )
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(self.api, self.token, cfg.auth_open_paths), server)
+        if cfg.tls_certfile is not None:  # the HTTP server's certificate and key
+            cert = cfg.tls_certfile.read_bytes()
+            key = (cfg.tls_keyfile or cfg.tls_certfile).read_bytes()
+            self.port = server.add_secure_port(
+                self.address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.port = server.add_insecure_port(self.address)
+        self.server = server
+        return self.port
+
+    async def start(self) -> None:
+        assert self.server is not None, "bind() first"
+        await self.server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking calls; those in flight get `grace_s` to end."""
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None
