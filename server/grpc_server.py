@@ -45,12 +45,13 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from dstack.common.config import ServerConfig
-from dstack.common.errors import DStackError
+from dstack.common.errors import DStackError, RequestError
 from server import grpc_codec
 from server.api import MODEL_VERSION, ServingApi, model_metadata
 from server.auth import has_token, is_open
@@ -97,6 +98,39 @@ class Unauthenticated(DStackError):
     reason = "unauthorized"
 
 
+class Malformed:
+    """A request whose bytes are not its message (grpc answers its own deserializer's
+    failure UNKNOWN): each RPC answers it INVALID_ARGUMENT, as HTTP answers bad JSON 400."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.message = f"malformed {kind} message: {error}"
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    def parse(data: bytes) -> Message | Malformed:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Malformed(cls.DESCRIPTOR.name, e)
+
+    return parse
+
+
+def service_handler(servicer: pb_grpc.GRPCInferenceServiceServicer) -> grpc.GenericRpcHandler:
+    """`servicer`'s RPCs, as `add_GRPCInferenceServiceServicer_to_server` registers them,
+    but for the requests' deserializer (`Malformed`); taken from the proto's descriptor."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for m in service.methods:
+        make = (grpc.stream_stream_rpc_method_handler if m.client_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
@@ -109,6 +143,8 @@ def _rpc(path: Callable[[Any], str]) -> Callable[[Handler], Handler]:
         async def handler(self: InferenceServicer, request: Any,
                           context: grpc.aio.ServicerContext) -> Any:
             try:
+                if isinstance(request, Malformed):
+                    raise RequestError(request.message)
                 self.authorize(context, path(request))
                 return await fn(self, request, context)
             except DStackError as e:
@@ -277,7 +313,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
-        async def one(msg: pb.ModelInferRequest) -> None:
+        async def one(msg: pb.ModelInferRequest | Malformed) -> None:
+            if isinstance(msg, Malformed):
+                await answers.put(pb.ModelStreamInferResponse(error_message=msg.message))
+                return
             try:
                 self.authorize(context, f"/v2/models/{msg.model_name}/infer")
                 resp = pb.ModelStreamInferResponse(infer_response=await self.infer(msg))
@@ -351,8 +390,8 @@ class GrpcEndpoint:
             # One more RPC is answered RESOURCE_EXHAUSTED, as HTTP's connection cap 503s.
             maximum_concurrent_rpcs=cfg.max_connections,
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(self.api, self.token, cfg.auth_open_paths), server)
+        server.add_generic_rpc_handlers((service_handler(
+            InferenceServicer(self.api, self.token, cfg.auth_open_paths)),))
         if cfg.tls_certfile is not None:  # the HTTP server's certificate and key
             cert = cfg.tls_certfile.read_bytes()
             key = (cfg.tls_keyfile or cfg.tls_certfile).read_bytes()

@@ -255,3 +255,40 @@ def test_a_refusal_is_unavailable_with_its_rule_as_triton_answers_a_full_queue()
         assert s.app.state.metrics.failures.total("double") == 1
     finally:
         s.close()
+
+
+def test_malformed_and_fuzzed_messages_are_invalid_argument_never_internal(
+        served: _Served) -> None:
+    """Bytes that are not a ModelInferRequest, and real requests with bytes flipped: each
+    is answered (OK or INVALID_ARGUMENT / NOT_FOUND), none as our fault, none hangs."""
+    rng = np.random.default_rng(0)
+    good = pb.ModelInferRequest(model_name="double")
+    good.inputs.add(name="x", datatype="FP32", shape=[1, 3])
+    good.raw_input_contents.append(np.ones((1, 3), np.float32).tobytes())
+    wire = good.SerializeToString()
+    payloads = [b"\xff\xff\xff", b"\x0a\x05ab"]
+    for _ in range(200):
+        b = bytearray(wire)
+        for i in rng.integers(0, len(b), rng.integers(1, 4)):
+            b[i] = int(rng.integers(0, 256))
+        payloads.append(bytes(b))
+    codes: set[grpc.StatusCode] = set()
+    with grpc.insecure_channel(served.url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for payload in payloads:
+            try:
+                call(payload, timeout=10)
+                codes.add(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.add(e.code())
+                assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                    grpc.StatusCode.NOT_FOUND), (payload, e.details())
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\xff\xff\xff", timeout=10)
+        assert "malformed ModelInferRequest" in e.value.details()
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       response_deserializer=pb.ModelStreamInferResponse.FromString)
+        answers = list(stream(iter([b"\xff\xff\xff", wire]), timeout=10))
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes
+    assert sorted(bool(a.error_message) for a in answers) == [False, True]
+    assert any("malformed" in a.error_message for a in answers)
