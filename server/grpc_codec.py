@@ -74,9 +74,10 @@ def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec) -> codec.RequestHe
             if given:
                 raise RequestError(f"{where} has both contents.{given[0]} and "
                                    f"raw_input_contents[{i}]: give one")
-            count = codec.check_size(len(raw[i]), dt, shape, where,
+            buf = raw[i]  # once: each access of a bytes field makes a new bytes object
+            count = codec.check_size(len(buf), dt, shape, where,
                                      f"raw_input_contents[{i}] size")
-            binary[name] = np.frombuffer(raw[i], codec.NP_DTYPES[dt], count).reshape(shape)
+            binary[name] = np.frombuffer(buf, codec.NP_DTYPES[dt], count).reshape(shape)
         else:
             field = CONTENTS_FIELD.get(dt)
             if field is None:
