@@ -172,9 +172,9 @@ class Replanner:
                 continue
             profiles = self._drifted(now)
             if profiles is not None:
-                await self.replan(rates, profiles)
-            elif self.trigger.should_replan(now, rates):
-                await self.replan(rates)
+                await self.replan(self.trigger.plan_rates(now, rates), profiles)
+            elif self.trigger.should_replan(now, rates, self.rates.noise()):
+                await self.replan(self.trigger.plan_rates(now, rates))
 
     def _drifted(self, now: float) -> dict[str, Profile] | None:
         """The plan's profiles scaled to the live estimates, where these have left them by

@@ -52,8 +52,9 @@ class SimReplanner:
             self.rates.record(name, now, arrived[k] - self.seen[k])
         self.seen = list(arrived)
         rates = self.rates.sample(now)
-        if not self.trigger.should_replan(now, rates):
+        if not self.trigger.should_replan(now, rates, self.rates.noise()):
             return None
+        rates = self.trigger.plan_rates(now, rates)
         setup = replan(self.cfg, self.backend, self.setup, origin=now, rates=rates,
                        profiles=dict(self.profiles))
         self.trigger.planned(now, rates)
