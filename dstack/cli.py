@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profiles", default=None,
                      help="profile directory (default: the config's `profiles:`)")
     sim.add_argument("--workload", default="poisson",
-                     help="poisson | burst:x2@60s+30s[:model] | ramp:0.5..2 | trace:FILE.csv "
+                     help="poisson | burst:x2@60s+30s[:model] | ramp:0.5..2 | trace:FILE.csv | "
+                     "replay:TIMESTAMPS.csv[:compress=10][:superpose=2] | bursty[:compress=10] "
                      "(docs/simulator.md)")
     sim.add_argument("--policies", default="dstack,temporal,shared,spatial",
                      help="comma-separated policies to compare")
