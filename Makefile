@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-policies bench-batching bench-priority chaos soak clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-policies bench-batching bench-priority bench-bursty chaos soak clean
 
 setup: $(BUILT)
 
@@ -119,6 +119,16 @@ BENCH_PRIORITY_ARGS ?=
 
 bench-priority: $(BUILT)
 	$(PY) -m bench.bench_priority $(BENCH_PRIORITY_ARGS)
+
+# Bursty arrivals on the real CPU server (issue 64): per policy and per multiple of the mix's
+# rates, a fresh server replays `bursty:compress=10` open loop, the simulator's prediction
+# beside each, dstack / shared and dstack / spatial against the targets; every number in
+# out/bench/bench_bursty.json (~7 minutes). E.g. BENCH_BURSTY_ARGS="--duration 60 --seed 2
+# --workload replay:trace.csv:compress=10".
+BENCH_BURSTY_ARGS ?=
+
+bench-bursty: $(BUILT)
+	$(PY) -m bench.bench_bursty $(BENCH_BURSTY_ARGS)
 
 # Overload (1x/2x/4x of capacity), worker kill -9, big JSON bodies, slowloris, stalled
 # uploads, SIGTERM under load, 100,000 fuzzed requests and the server's CPU per refusal

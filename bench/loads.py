@@ -40,12 +40,28 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                     ) -> dict[str, Outcome]:
     """Poisson arrivals per model at `rates` for `duration_s`, bounded in count and in
     flight; latency from the send to the full response."""
+    rng = np.random.default_rng(seed)
+    arrivals = []
+    for m, rate in rates.items():
+        n = int(rate * duration_s * 2) + 10
+        times = np.cumsum(rng.exponential(1 / rate, n))
+        arrivals += [(float(t), m) for t in times[times < duration_s]]
+    arrivals.sort()
+    return await send_at(host, arrivals, {m: slos_ms[m] for m in rates},
+                         max_inflight=max_inflight)
+
+
+async def send_at(host: str, arrivals: list[tuple[float, str]], slos_ms: dict[str, float],
+                  max_inflight: int = 512) -> dict[str, Outcome]:
+    """One one-item binary infer request per `(instant s, model)` of `arrivals` (sorted),
+    each sent at its instant from the start (open loop; at most `max_inflight` at once,
+    a later one waits and its lag is counted); latency from the send to the full
+    response, judged against `slos_ms`. Every model of `slos_ms` gets an Outcome."""
     import aiohttp
 
-    rng = np.random.default_rng(seed)
-    metas = {m: get_json(f"{host}/v2/models/{m}") for m in rates}
-    bodies = {m: one_item_body(metas[m]) for m in rates}
-    out = {m: Outcome() for m in rates}
+    metas = {m: get_json(f"{host}/v2/models/{m}") for m in slos_ms}
+    bodies = {m: one_item_body(metas[m]) for m in slos_ms}
+    out = {m: Outcome() for m in slos_ms}
     sem = asyncio.Semaphore(max_inflight)
     conn = aiohttp.TCPConnector(limit=max_inflight, force_close=False)
     timeout = aiohttp.ClientTimeout(total=max(10.0, 5 * max(slos_ms.values()) / 1000))
@@ -77,12 +93,6 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                     else:
                         o.late += 1
 
-        arrivals = []
-        for m, rate in rates.items():
-            n = int(rate * duration_s * 2) + 10
-            times = np.cumsum(rng.exponential(1 / rate, n))
-            arrivals += [(float(t), m) for t in times[times < duration_s]]
-        arrivals.sort()
         t_start = time.perf_counter()
         tasks = []
         for at, m in arrivals:
