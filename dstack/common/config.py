@@ -267,6 +267,10 @@ class DeployConfig(_Strict):
     reuse_idle: bool = True
     """Policy dstack: a model with queued work may run in capacity left idle by another
     model's empty slot (never past anyone's bound). False: strictly its own slots."""
+    borrow_lanes: Annotated[int, Field(ge=0)] = 2
+    """Policy dstack: how many other lanes each model's bursts may borrow while they are
+    idle (a guest worker of the model on each, the widest first: a process with the model
+    loaded, on that lane's slice). 0: every model keeps to its own lane."""
     rate_headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
     """Policy dstack plans for rate x (1 + rate_headroom): a plan sized for exactly the mean
     rate falls behind on every Poisson burst."""

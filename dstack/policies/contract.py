@@ -51,6 +51,9 @@ class Launch:
     model: str
     max_items: cython.int
     reuse: cython.bint = False  # dstack: runs in idle capacity outside its own slot
+    # The worker that runs it, when not the model's own: a guest worker of the model on
+    # another lane's slice (`dstack.policies.lane_policy`), taking from the model's queue.
+    on: object = None  # str | None
 
 
 @cython.dataclasses.dataclass(frozen=True)

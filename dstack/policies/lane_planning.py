@@ -267,7 +267,7 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
                           tuple(inst.models[i].name for i in ev.members
                                 if inst.models[i].low or inst.models[i].name in short),
                           fill=tuple(f.name for f, _, _ in gap_fill),
-                          gap_ms=lane_gap_ms(inst, ev) if gap_fill else None,
+                          gap_ms=lane_gap_ms(inst, ev),
                           lone_ms=(lone or {}).get(names[0], ()) if len(names) == 1 else ()))
         for f, cap, served in gap_fill:  # no slot: it runs only in the lane's idle time
             lat = f.latency(cap, ev.width)

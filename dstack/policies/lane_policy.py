@@ -11,6 +11,14 @@ GPU). Each lane hosts one or more models; every model has a batch cap. At run ti
   runs in `LONE_BATCH_SLO` of its SLO, by its profile's shape at the live estimate's
   speed, if larger); heads a batch would answer late are refused by the dispatch core;
 - lanes run concurrently; nothing waits for a timer (work-conserving);
+- a burst borrows idle lanes (work-conserving across lanes): a model also has *guest*
+  workers on other lanes' slices (`guests`, the widest other lanes first). A lane that is
+  idle, with nothing of its own queued, runs a batch of a model whose own worker is busy
+  and whose queue holds more than that worker takes, from that model's queue, in batches
+  that end within the lane's gap (what its own models can wait and still meet their
+  SLOs, x `GAP_SAFETY`). The dispatch core admits a request its own lane would finish
+  late when idle guests can take the queue in time. Under steady load the lanes are as
+  planned; under bursts the device's idle lanes serve the bursting model;
 - a `low`-priority model (FIKIT) is planned into no lane width: it joins the lane with
   the most idle time whose *gap* fits a batch of it (the time its models can wait for a
   batch that started just before their request and still meet their SLOs), and runs
@@ -84,7 +92,7 @@ class LanePolicy:
     def __init__(self, models: dict[str, ModelParams], backend: SliceBackend, the_plan: Plan,
                  the_schedule: Schedule, origin: float = 0.0,
                  latency: dict[str, LinearLatency] | None = None,
-                 reuse_idle: bool = True) -> None:
+                 reuse_idle: bool = True, guests: Mapping[str, str] | None = None) -> None:
         self.models = models
         self.backend = backend
         self.the_plan = the_plan
@@ -97,8 +105,26 @@ class LanePolicy:
         self.lanes: tuple[Lane, ...] = tuple(lanes)
         self._unserved = dict(getattr(the_plan, "unserved", ()))
         planned = {m for lane in self.lanes for m in lane.models}
+        # Guest workers (`guests`: guest -> its host): the k-th guest of a model goes to
+        # the k-th widest lane other than its host's (one without a lane idles).
+        lane_of = {m: li for li, lane in enumerate(self.lanes) for m in lane.models}
+        by_width = sorted(range(len(self.lanes)), key=lambda li: -self.lanes[li].percent)
+        self._host: dict[str, str] = {}
+        self._guest_lane: dict[str, int] = {}
+        taken: dict[str, int] = {}
+        for g, h in sorted((guests or {}).items()):
+            if h not in lane_of or h in self._gap_fillers():
+                continue
+            others = [li for li in by_width if li != lane_of[h]]
+            k = taken.get(h, 0)
+            if k < len(others):
+                self._host[g] = h
+                self._guest_lane[g] = others[k]
+                taken[h] = k + 1
+        self._lane_guests = [tuple(g for g, li in self._guest_lane.items() if li == k)
+                             for k in range(len(self.lanes))]
         for m in models:
-            if m not in planned and m not in self._unserved:
+            if m not in planned and m not in self._unserved and m not in (guests or {}):
                 why = {s.model: s.reason for s in the_plan.shortfalls}
                 self._unserved[m] = why.get(m, "not in the plan")
         self._cap = {m: c for lane in self.lanes for m, c in zip(lane.models, lane.caps,
@@ -116,6 +142,18 @@ class LanePolicy:
                        for members in self._members for m, tier in members}
         self._gap_s = {m: GAP_SAFETY * lane.gap_ms / 1000.0 for lane in self.lanes
                        if lane.gap_ms is not None for m in lane.fill}
+        for g, li in self._guest_lane.items():  # a guest runs within its lane's gap
+            gap = self.lanes[li].gap_ms
+            self._gap_s[g] = GAP_SAFETY * gap / 1000.0 if gap is not None else 0.0
+        # a lane's own models wait for its guests' running batch
+        for li, gs in enumerate(self._lane_guests):
+            for m, _ in self._members[li]:
+                self._mates[m] = self._mates[m] + tuple((g, Precedence.RUNNING) for g in gs)
+        for g, li in self._guest_lane.items():  # a guest waits for all of its lane's work
+            self._mates[g] = tuple((m, Precedence.ALL) for m, _ in self._members[li])
+
+    def _gap_fillers(self) -> set[str]:
+        return {m for lane in self.lanes for m in lane.fill}
 
     # ------------------------------------------------------------------ contract
 
@@ -125,6 +163,9 @@ class LanePolicy:
             spec = self.backend.slice_for(lane.percent, lane.units)
             for m in lane.models:
                 out[m] = spec
+        for g, li in self._guest_lane.items():
+            lane = self.lanes[li]
+            out[g] = self.backend.slice_for(lane.percent, lane.units)
         first = next(iter(out.values()), None) or self.backend.whole()
         for m in self.models:
             out.setdefault(m, first)  # never launched; its worker idles
@@ -132,15 +173,19 @@ class LanePolicy:
 
     def decide(self, now: float, queues: Mapping[str, QueueView]) -> Decision:
         launches: list[Launch] = []
-        for members in self._members:
+        idle: list[int] = []  # lanes idle with nothing of their own to run
+        taken: dict[str, int] = {}  # items each model's own worker takes now
+        for li, members in enumerate(self._members):
             best: QueueView | None = None
             best_key = (3, 0.0)
+            busy = any(queues[g].running for g in self._lane_guests[li] if g in queues)
             for m, tier in members:
                 q = queues.get(m)
                 if q is None:
                     continue
-                if q.running:
+                if q.running or busy:
                     best = None
+                    busy = True
                     break  # the lane is busy
                 if q.items <= 0:
                     continue
@@ -148,12 +193,43 @@ class LanePolicy:
                 key = (tier, dl)
                 if best is None or key < best_key:
                     best, best_key = q, key
-            else:
-                if best is not None:
-                    n = self._batch(best, now)
-                    if n > 0:
-                        launches.append(Launch(best.model, n, False))
+            if busy:
+                continue
+            if best is not None:
+                n = self._batch(best, now)
+                if n > 0:
+                    launches.append(Launch(best.model, n, False))
+                    taken[best.model] = n
+                    continue
+            if self._lane_guests[li]:
+                idle.append(li)
+        for li in idle:
+            self._borrow(li, now, queues, taken, launches)
         return Decision(tuple(launches), None)
+
+    def _borrow(self, li: int, now: float, queues: Mapping[str, QueueView],
+                taken: dict[str, int], launches: list[Launch]) -> None:
+        """An idle lane runs a batch of the guest whose host has the earliest head due
+        among those whose own worker is busy with more queued than it takes."""
+        best: tuple[float, str, str, int] | None = None
+        for g in self._lane_guests[li]:
+            h = self._host[g]
+            q = queues.get(h)
+            if q is None or q.items <= 0 or not (q.running or h in taken):
+                continue
+            left = q.items - taken.get(h, 0)
+            if left <= 0:
+                continue
+            dl = q.head_deadline if q.head_deadline is not None else float("inf")
+            if best is None or dl < best[0]:
+                best = (dl, g, h, left)
+        if best is None:
+            return
+        _, g, h, left = best
+        n = min(left, self.batch_cap(g))
+        if n > 0:
+            launches.append(Launch(h, n, False, g))
+            taken[h] = taken.get(h, 0) + n
 
     def batch_cap(self, model: str) -> int:
         """The planned cap; a model alone in its lane may go up to the batch that runs in
@@ -162,6 +238,11 @@ class LanePolicy:
         estimate the machine's speed now); without a profile, the live estimate. (The live
         estimate alone is a straight line and misses steps: tiny_cnn on one core takes
         0.36 ms at batch 1 and 0.86 ms at 2, where the line through 1 and 8 says 0.59.)"""
+        host = self._host.get(model)
+        if host is not None:  # a guest: the largest batch that ends within its lane's gap
+            est = self.latency.get(model)
+            top = self.models[host].max_batch
+            return est.max_batch_within(self._gap_s[model], top) if est is not None else 0
         cap = self._cap.get(model, 1)
         if model not in self._alone:
             return cap
@@ -194,6 +275,10 @@ class LanePolicy:
             if est is not None:
                 n = est.max_batch_within(gap, n)  # 0: not even one fits; wait
         return n
+
+    def guests(self) -> dict[str, str]:
+        """Guest worker -> the model whose queue it serves (those with a lane)."""
+        return dict(self._host)
 
     def on_batch_done(self, model: str, n: int, compute_s: float, now: float) -> None:
         return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dstack.common.config import ConfigError, DeployConfig, PolicyName, load_config
@@ -21,7 +21,15 @@ from dstack.policies.lane_planning import backend_of, gap_lanes, plan_lanes, pre
 from dstack.policies.lane_policy import LanePlan
 from dstack.policies.latency import LinearLatency
 from dstack.policies.registry import make_policy
-from dstack.policies.replicas import choose, expand, public_name, split_rates, wanted
+from dstack.policies.replicas import (
+    SEP,
+    choose,
+    expand,
+    public_name,
+    replica_groups,
+    split_rates,
+    wanted,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +39,18 @@ class PolicySetup:
     schedule: Schedule | None
     profiles: dict[str, Profile]  # keyed by worker name (a replica: `dstack.policies.replicas`)
     estimates: dict[str, LinearLatency]  # seeded from the profiles, at each worker's slice
-    run_cfg: DeployConfig  # the config the workers run: `cfg` with its replicas
+    run_cfg: DeployConfig  # the config the workers run: `cfg` with its replicas and guests
     replicas: dict[str, int]  # served model -> its number of workers
+    # guest worker -> the worker whose queue it serves on another lane (`dstack` only)
+    guests: dict[str, str] = field(default_factory=dict)
+
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Served model -> its workers (replicas, then guests), where more than one."""
+        out = {m: list(ws) for m, ws in replica_groups(self.replicas).items()}
+        for g, h in self.guests.items():
+            m = public_name(h)
+            out.setdefault(m, [m]).append(g)
+        return {m: tuple(ws) for m, ws in out.items() if len(ws) > 1}
 
 
 def model_params(cfg: DeployConfig) -> dict[str, ModelParams]:
@@ -149,13 +167,36 @@ def _replica_profiles(run_cfg: DeployConfig,
     return {m.name: profiles[public_name(m.name)] for m in run_cfg.models}
 
 
+def add_guests(run_cfg: DeployConfig, plan: LanePlan, borrow_lanes: int,
+               guests: Mapping[str, str] | None = None) -> tuple[DeployConfig, dict[str, str]]:
+    """`run_cfg` with the guest workers of each planned worker (`borrow_lanes` each, at
+    most one fewer than the plan's lanes; `guests`: a re-plan keeps the ones it has), and
+    the guest -> host map. A guest is a copy of its host's entry named `host#gK`. (A model
+    loaded at run time gets none: its workers start beside the ones there are.)"""
+    if guests is None:
+        k = min(borrow_lanes, len(plan.lanes) - 1)
+        fill = {m for lane in plan.lanes for m in lane.fill}
+        planned = [m for lane in plan.lanes for m in lane.models if m not in fill]
+        guests = {f"{h}{SEP}g{i}": h for h in planned for i in range(1, k + 1)}
+    by_name = {m.name: m for m in run_cfg.models}
+    guests = {g: h for g, h in guests.items() if h in by_name}  # not an unloaded model's
+    if not guests:
+        return run_cfg, {}
+    extra = [by_name[h].model_copy(update={"name": g, "zoo_name": by_name[h].zoo,
+                                           "rate_rps": 0.0})
+             for g, h in guests.items()]
+    return run_cfg.model_copy(update={"models": [*run_cfg.models, *extra]}), dict(guests)
+
+
 def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
                  rates: dict[str, float] | None = None,
                  profiles: dict[str, Profile] | None = None,
-                 replicas: dict[str, int] | None = None) -> PolicySetup:
+                 replicas: dict[str, int] | None = None,
+                 guests: dict[str, str] | None = None) -> PolicySetup:
     """The policy for `cfg` on `backend`. `rates`: measured rates per served model (a
     re-plan; default the configured ones). `replicas`: workers per model, fixed (a re-plan
-    keeps the workers it has); default: chosen here for `dstack`, one for the others."""
+    keeps the workers it has); default: chosen here for `dstack`, one for the others.
+    `guests`: the same for the `dstack` policy's guest workers (`add_guests`)."""
     if profiles is None:
         profiles = served_profiles(cfg, backend=backend)
     if backend.kind == "cpu":  # a server given fewer cores than were profiled
@@ -173,8 +214,14 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     plan = schedule = None
     knees: dict[str, float] = {}
     tbatch: dict[str, int] = {}
+    guest_map: dict[str, str] = {}
     if cfg.policy is PolicyName.DSTACK:
         plan, schedule, _ = plan_lanes(cfg, profiles, backend, rates)
+        if isinstance(plan, LanePlan):
+            run_cfg, guest_map = add_guests(run_cfg, plan, cfg.borrow_lanes, guests)
+            if guest_map:
+                profiles = _replica_profiles(run_cfg, profiles)
+                params = model_params(run_cfg)
     elif cfg.policy is PolicyName.SPATIAL:
         knees = {m.name: knee_percent(profiles[m.name], m.max_batch_size) for m in cfg.models}
     elif cfg.policy is PolicyName.TEMPORAL and profiles:
@@ -184,7 +231,7 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
         }
     policy = make_policy(cfg.policy, params, backend, plan=plan, schedule=schedule,
                          knees=knees, temporal_batch=tbatch, origin=origin,
-                         reuse_idle=cfg.reuse_idle)
+                         reuse_idle=cfg.reuse_idle, guests=guest_map)
     # Seed the latency model from the profile at the worker's slice where there is one.
     slices = policy.slices()
     estimates: dict[str, LinearLatency] = {}
@@ -196,7 +243,7 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
                                             bs[-1], prof.latency_ms(bs[-1], pct) / 1000)
             estimates[name] = lat
     policy.use_estimates(estimates)
-    return PolicySetup(policy, plan, schedule, profiles, estimates, run_cfg, counts)
+    return PolicySetup(policy, plan, schedule, profiles, estimates, run_cfg, counts, guest_map)
 
 
 def latency_ratios(setup: PolicySetup, warm_s: Mapping[str, float]
@@ -247,7 +294,7 @@ def replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *, or
     workers it has, or None when the plan in force, scored at those rates with its lanes
     and caps as they are, predicts within `REPLAN_GAIN` of it."""
     new = setup_policy(cfg, backend, origin=origin, rates=rates, profiles=profiles,
-                       replicas=current.replicas)
+                       replicas=current.replicas, guests=current.guests)
     if not isinstance(current.plan, LanePlan) or new.plan is None:
         return new
     kept = predicted_goodput(current.plan, current.run_cfg, current.profiles, backend,

@@ -27,6 +27,7 @@ class PolicyInputs:
     temporal_batch: dict[str, int] = field(default_factory=dict)
     origin: float = 0.0
     reuse_idle: bool = True
+    guests: dict[str, str] = field(default_factory=dict)  # guest worker -> its host
 
 
 Builder = Callable[[dict[str, ModelParams], SliceBackend, PolicyInputs], Policy]
@@ -36,7 +37,7 @@ def _dstack(models: dict[str, ModelParams], backend: SliceBackend, inp: PolicyIn
     if inp.plan is None or inp.schedule is None:
         raise ValueError("policy dstack needs a plan and a schedule")
     return LanePolicy(models, backend, inp.plan, inp.schedule, inp.origin,
-                      reuse_idle=inp.reuse_idle)
+                      reuse_idle=inp.reuse_idle, guests=inp.guests)
 
 
 REGISTRY: dict[PolicyName, Builder] = {

@@ -358,6 +358,10 @@ class _Model:
     # work goes before a batch of this model (a `Precedence`).
     mates: list
     mate_kinds: list
+    # A guest worker (`Policy.guests`): the position of the model whose queue it takes
+    # batches from; it has no queue of its own. -1: a model's own worker.
+    host: cython.Py_ssize_t
+    guests: list  # a model's guest workers' positions
     dirty: cython.bint  # its queue view must be made again
 
     def __init__(self, spec: CoreModel, estimate: LinearLatency | None) -> None:
@@ -392,6 +396,8 @@ class _Model:
         self.holds = []
         self.mates = []
         self.mate_kinds = []
+        self.host = -1
+        self.guests = []
         self.dirty = True
         self.overhead_s = 0.0
         self.delivery_s = 0.0
@@ -529,6 +535,16 @@ class _Core:
                      if m in self.index]
             st.mates = [j for j, _ in mates]
             st.mate_kinds = [kind for _, kind in mates]
+            st.host = -1
+            st.guests = []
+        guests = getattr(policy, "guests", None)
+        hst: _Model
+        for guest, host in (guests() if guests is not None else {}).items():
+            if guest in self.index and host in self.index:
+                st = self._m[self.index[guest]]
+                st.host = self.index[host]
+                hst = self._m[st.host]
+                hst.guests.append(self.index[guest])
 
     def set_estimate(self, model: str, est: LinearLatency) -> None:
         """Replace a model's latency estimate (a new measurement, say)."""
@@ -779,6 +795,9 @@ class _Core:
                         st.joinable or now - st.multi_at >= self.probe_s):
                     st.joinable = True  # a slope probe (module docstring)
                     return None
+            if finish > t.deadline and st.guests and self._guest_finish(
+                    st, ahead + k, now) <= t.deadline:
+                return None  # an idle lane's guest worker of the model takes it
             if finish > t.deadline:
                 # A probe re-measures the model's own batches: it is due when they refused
                 # the request, not when its lane mates' work did (their batches run and
@@ -801,6 +820,35 @@ class _Core:
                     f"its SLO of {st.spec.slo_s * 1000:g} ms",
                     (finish - t.deadline) / (st.margin if slow_end else 1.0))
         return None
+
+    @cython.cfunc
+    def _guest_finish(self, st: _Model, items: cython.longlong,
+                      now: cython.double) -> cython.double:
+        """When the `items` queued for `st` (its own worker busy) would be answered by its
+        guest workers whose lanes are idle now (each a batch of up to its cap, at its
+        estimate's slow end), or _INF when they cannot take them all."""
+        g: _Model
+        cap: cython.longlong
+        left: cython.longlong = items
+        finish: cython.double = now
+        end: cython.double
+        for j in st.guests:
+            g = self._m[j]
+            if left <= 0:
+                break
+            if g.running or not g.trusted or self._mates_busy(g, now):
+                continue
+            cap = self.policy.batch_cap(g.name)
+            if cap > g.max_batch:
+                cap = g.max_batch
+            if cap < 1:
+                continue
+            n: cython.longlong = left if left < cap else cap
+            end = now + g.estimate.high_s(n) + g.overhead_s + g.delivery_s
+            if end > finish:
+                finish = end
+            left -= n
+        return finish if left <= 0 else _INF
 
     @cython.cfunc
     def _mates_busy(self, st: _Model, now: cython.double) -> cython.bint:
@@ -908,6 +956,8 @@ class _Core:
         st: _Model
         for i in group:
             st = self._m[i]
+            if st.host >= 0:  # a guest worker: it takes from its host's queue
+                continue
             key = 2 * (st.items + len(st.holds)) + (1 if st.running else 0)
             if st.unserved is not None:  # left out of the plan: it would refuse
                 key += _UNSERVED_KEY
@@ -979,9 +1029,12 @@ class _Core:
                         None)
         launches: list = []
         for launch in decision.launches:
-            if blocked and launch.model in blocked:
+            if blocked and (launch.model in blocked or launch.on in blocked):
                 continue
-            b = self._take(launch.model, launch.max_items, launch.reuse, now, refusals)
+            if launch.on is not None and launch.on not in self.index:
+                continue  # a guest worker this core does not have
+            b = self._take(launch.model, launch.max_items, launch.reuse, now, refusals,
+                           launch.on)
             if b is not None:
                 launches.append(b)
         wake = decision.wake_at
@@ -1032,10 +1085,11 @@ class _Core:
 
     @cython.cfunc
     def _take(self, model: str, max_items: cython.longlong, reuse: cython.bint,
-              now: cython.double, refusals: list) -> object:
-        i: cython.Py_ssize_t = self.index[model]
-        st: _Model = self._m[i]
-        if st.running or st.qlen == 0:
+              now: cython.double, refusals: list, on: object = None) -> object:
+        q: _Model = self._m[self.index[model]]  # the queue it takes from
+        i: cython.Py_ssize_t = self.index[model] if on is None else self.index[on]
+        st: _Model = self._m[i]  # the worker that runs it
+        if st.running or q.qlen == 0:
             return None
         limit: cython.longlong = max_items if max_items < st.max_batch else st.max_batch
         if limit < 1:
@@ -1045,15 +1099,19 @@ class _Core:
         t: Ticket
         # The first request always goes (admission checked it fits max_batch), then whole
         # requests while they fit.
-        while st.qlen and (not tickets or taken + st.first().n <= limit):
-            t = st.pop()
+        while q.qlen and (not tickets or taken + q.first().n <= limit):
+            t = q.pop()
             self.queued -= t.n
             tickets.append(t)
             taken += t.n
         if taken > 1:
             st.multi_at = now
-        probe: cython.bint = st.joinable  # a slope probe's batch: run as it is
-        st.joinable = False
+        probe: cython.bint = st.joinable and q is st  # a slope probe's batch: run as it is
+        if q is st:
+            st.joinable = False
+        else:  # its host's queue was served
+            q.launched_at = now
+            q.passed_over = False
         st.slope_probe = probe
         # Refuse, rather than serve late, the heads this batch would answer after their
         # deadline: FIFO order is deadline order (one SLO per model), so only heads.
@@ -1087,7 +1145,7 @@ class _Core:
             est = st.estimate
         st.run_until = now + (est.refusal_s(taken) + st.overhead_s if est is not None else 0.0)
         st.run_high_until = now + (est.high_s(taken) + st.overhead_s if est is not None else 0.0)
-        return Batch(model, i, tuple(tickets), taken, now, reuse)
+        return Batch(self.names[i], i, tuple(tickets), taken, now, reuse)
 
     # ------------------------------------------------------------------ results
 

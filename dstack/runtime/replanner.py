@@ -206,7 +206,8 @@ class Replanner:
         try:
             solve = (functools.partial(setup_policy, self.cfg, self.slices,
                                        origin=self._clock(), rates=rates, profiles=profiles,
-                                       replicas=self.setup.replicas) if profiles is not None
+                                       replicas=self.setup.replicas,
+                                       guests=self.setup.guests) if profiles is not None
                      else functools.partial(replan, self.cfg, self.slices, self.setup,
                                             origin=self._clock(), rates=rates,
                                             profiles=served_of(self.setup)))

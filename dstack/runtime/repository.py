@@ -97,7 +97,7 @@ def plan_models(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, 
         counts = replica_counts(cfg, served_profiles(cfg, backend=backend), backend)
         names = {m.name for m in cfg.models}
         replicas = {**counts, **{m: n for m, n in current.replicas.items() if m in names}}
-    return setup_policy(cfg, backend, origin=origin, replicas=replicas)
+    return setup_policy(cfg, backend, origin=origin, replicas=replicas, guests=current.guests)
 
 
 def _supervisor(rt: Runtime) -> Supervisor:

@@ -56,7 +56,7 @@ from dstack.policies.planning import (
     served_of,
     setup_policy,
 )
-from dstack.policies.replicas import public_name, replica_groups, replica_names
+from dstack.policies.replicas import public_name, replica_names
 from dstack.runtime.dispatch import (
     Batch,
     CoreModel,
@@ -301,7 +301,7 @@ class Runtime:
             [CoreModel(m.name, m.slo_ms / 1000, m.max_batch_size, m.max_queue)
              for m in self.setup.run_cfg.models],
             policy, estimates, now=self._clock(),  # the cycle starts as serving starts
-            groups=replica_groups(self.setup.replicas))
+            groups=self.setup.groups())
         self._placed()
         await self._correct_profiles(ready)
         if adapts:
@@ -336,7 +336,7 @@ class Runtime:
                         f" ms (x{f:.2f})" for m, f in factors.items()))
         corrected = await asyncio.to_thread(
             setup_policy, self.cfg, self.slices, origin=self._clock(), profiles=profiles,
-            replicas=setup.replicas)
+            replicas=setup.replicas, guests=setup.guests)
         await self._hand_over(corrected, {})
 
     def _live_batch_s(self) -> dict[str, float]:
@@ -525,9 +525,12 @@ class Runtime:
         return self._ready and all(self.is_model_ready(m) for m in self.specs)
 
     def workers(self, model: str) -> tuple[str, ...]:
-        """The workers serving `model`: itself, then its replicas (`m#1`, ...)."""
-        n = self.setup.replicas.get(model, 1) if self.setup is not None else 1
-        return replica_names(model, n)
+        """The workers serving `model`: itself, then its replicas (`m#1`, ...), then its
+        guest workers on other lanes (`m#g1`, ...)."""
+        if self.setup is None:
+            return (model,)
+        guests = tuple(g for g, h in self.setup.guests.items() if public_name(h) == model)
+        return replica_names(model, self.setup.replicas.get(model, 1)) + guests
 
     def is_model_ready(self, model: str) -> bool:
         self.spec(model)

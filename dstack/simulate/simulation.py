@@ -13,7 +13,6 @@ from dstack.common.types import Profile
 from dstack.policies.contract import Policy
 from dstack.policies.latency import LinearLatency
 from dstack.policies.planning import PolicySetup, replan, setup_policy
-from dstack.policies.replicas import replica_groups
 from dstack.runtime.adapt import tracker_for, trigger_for
 from dstack.simulate.engine import RunResult, SimModel, run
 from dstack.simulate.ideal import TraceModel, cost_per_request_s, fluid_bound, trace_bound_rps
@@ -131,7 +130,7 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
         t1 = time.perf_counter()
         r = run(setup.policy, models, times, idx, duration_s, estimates=setup.estimates,
                 timeline_s=timeline_s, served=[m.name for m in cfg.models],
-                groups=replica_groups(setup.replicas), replanner=replanner)
+                groups=setup.groups(), replanner=replanner)
         wall[str(name)] = (t1 - t0, time.perf_counter() - t1)
         results[str(name)] = r
         reports.append(summarise(str(name), r, ideal))

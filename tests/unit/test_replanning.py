@@ -17,6 +17,7 @@ from dstack.policies.planning import (
     served_profiles,
     setup_policy,
 )
+from dstack.policies.replicas import public_name
 from dstack.simulate import generate, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +149,8 @@ def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_the
     async def apply(new: object, rates: dict[str, float]) -> None:
         applied.append(new)
 
-    live = {w: s * slow.get(w, 1.1) for w, s in planned.items()}
+    # every worker of a model (its guests on other lanes too) runs that much slower
+    live = {w: s * slow.get(public_name(w), 1.1) for w, s in planned.items()}
     rp = Replanner(cfg, backend, apply, lambda: 0.0, setup, None, lambda: dict(live))
     assert rp._drifted(1.0) is None  # one sample
     assert rp._drifted(2.0) is None  # two, but the plan is not hold_s old
