@@ -508,7 +508,10 @@ class Runtime:
         (`dstack.common.slices.quiet_cores`); all of them on a GPU."""
         assert self.setup is not None
         slo_s = {m.name: m.slo_ms / 1000 for m in self.setup.run_cfg.models}
-        return quiet_cores(self.setup.policy.slices(), slo_s, self._host_cores)
+        # guest workers run only in their lane's gaps: the lane's own SLOs are what count
+        slices = {w: s for w, s in self.setup.policy.slices().items()
+                  if w not in self.setup.guests}
+        return quiet_cores(slices, slo_s, self._host_cores)
 
     def _placed(self) -> None:
         if self.on_plan is None:
