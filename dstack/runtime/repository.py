@@ -130,8 +130,8 @@ async def load(rt: Runtime, m: ModelConfig) -> None:
     slices = setup.policy.slices()
     sup.add_models({name: (m, spec)})
     try:
-        shadows = await sup.start_shadows(slices,
-                                          passive=passive_models(slices, setup.policy.concurrent))
+        shadows = await sup.start_shadows(slices, passive=passive_models(
+            slices, setup.policy.concurrent, setup.guests))
     except Exception as e:
         sup.remove_models(list(workers))
         rt.repo_state[name] = RepoEntry(name, ModelState.UNAVAILABLE, f"failed to load: {e}")
@@ -178,8 +178,8 @@ async def unload(rt: Runtime, name: str, why: str) -> None:
         setup = await asyncio.to_thread(plan_models, cfg, rt.slices, rt.setup,
                                         origin=rt.clock())
         slices = setup.policy.slices()
-        shadows = await sup.start_shadows(slices,
-                                          passive=passive_models(slices, setup.policy.concurrent))
+        shadows = await sup.start_shadows(slices, passive=passive_models(
+            slices, setup.policy.concurrent, setup.guests))
         await sup.switch(shadows, core.running)
     except Exception:
         rt.repo_state.pop(name, None)  # still served, as before

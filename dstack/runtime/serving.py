@@ -285,7 +285,7 @@ class Runtime:
             solver_up = asyncio.ensure_future(self._solver.start())  # beside the workers'
         try:
             ready = await self.supervisor.start_all(
-                slices, passive=passive_models(slices, policy.concurrent))
+                slices, passive=passive_models(slices, policy.concurrent, self.setup.guests))
         finally:
             if solver_up is not None:
                 await asyncio.gather(solver_up, return_exceptions=True)
@@ -1003,7 +1003,8 @@ class Runtime:
                 raise StalePlan
             new_slices = setup.policy.slices()
             shadows = await self.supervisor.start_shadows(
-                new_slices, passive=passive_models(new_slices, setup.policy.concurrent))
+                new_slices, passive=passive_models(new_slices, setup.policy.concurrent,
+                                                   setup.guests))
             await self.supervisor.switch(shadows, core.running)
             core.set_policy(setup.policy, self._clock(), setup.estimates)
             self.setup = setup

@@ -78,17 +78,41 @@ class RestartInfo:
         return self.died_at + self.expected_s
 
 
-def passive_models(slices: Mapping[str, SliceSpec], concurrent: bool) -> frozenset[str]:
+def passive_models(slices: Mapping[str, SliceSpec], concurrent: bool,
+                   guests: Mapping[str, str] | None = None) -> frozenset[str]:
     """Models whose CPU cores another model's worker may be computing on at the same time.
     Their OpenMP threads must wait for work asleep (OMP_WAIT_POLICY=PASSIVE): spinning,
     they take the cores from the other worker's batch. Measured on the CPU mix under
     `shared` (both workers on both cores), closed loop: 3.1 rps within SLO and 55% refused
     spinning, 77.2 rps and none refused asleep; under `temporal` (one batch at a time)
-    sleeping costs the wake-up instead (36.9 against 17.9 rps), so not there."""
+    sleeping costs the wake-up instead (36.9 against 17.9 rps), so not there. `guests`
+    (the `dstack` policy's guest workers) run only while their lane is idle: they count
+    for nothing here, and are never passive."""
     if not concurrent:
         return frozenset()
-    return frozenset(n for n, s in slices.items()
-                     if any(set(s.units) & set(o.units) for m, o in slices.items() if m != n))
+    own = {n: s for n, s in slices.items() if n not in (guests or {})}
+    return frozenset(n for n, s in own.items()
+                     if any(set(s.units) & set(o.units) for m, o in own.items() if m != n))
+
+
+def _waves(names: list[str], slices: Mapping[str, SliceSpec]) -> list[list[int]]:
+    """`names` (positions) in start-up waves: each worker in the first wave where no other
+    worker's cores overlap its own. Warm-ups on the same cores at once would time each
+    other (a lane's guest worker beside its own: `dstack.policies.lane_policy`), and the
+    warm-up times correct the plan's profiles."""
+    waves: list[list[int]] = []
+    cores: list[set[int]] = []
+    for i, n in enumerate(names):
+        units = set(slices[n].units)
+        for w, used in zip(waves, cores, strict=True):
+            if not units & used:
+                w.append(i)
+                used.update(units)
+                break
+        else:
+            waves.append([i])
+            cores.append(units)
+    return waves
 
 
 class Supervisor:
@@ -166,8 +190,14 @@ class Supervisor:
         names = list(self._slots)
         for n in names:
             self._slots[n].passive = n in passive
-        got = await asyncio.gather(*(self._start(n, slices[n]) for n in names),
-                                   return_exceptions=True)
+        got: list[object] = [None] * len(names)
+        for wave in _waves(names, slices):
+            done = await asyncio.gather(*(self._start(names[i], slices[names[i]])
+                                          for i in wave), return_exceptions=True)
+            for i, g in zip(wave, done, strict=True):
+                got[i] = g
+            if any(isinstance(g, BaseException) for g in done):
+                break
         errors = [g for g in got if isinstance(g, BaseException)]
         for n, g in zip(names, got, strict=True):
             if isinstance(g, WorkerHandle):

@@ -28,3 +28,20 @@ def test_each_policy_says_whether_its_models_run_at_the_same_time() -> None:
     assert make_policy(PolicyName.SHARED, params, backend).concurrent
     assert make_policy(PolicyName.SPATIAL, params, backend).concurrent
     assert not make_policy(PolicyName.TEMPORAL, params, backend).concurrent
+
+
+def test_guest_workers_make_nobody_wait_asleep_and_warm_up_after_their_lane() -> None:
+    from dstack.runtime.supervisor import _waves
+
+    lanes = {"a": SliceSpec(50.0, (0,)), "b": SliceSpec(50.0, (1,)),
+             "a#g1": SliceSpec(50.0, (1,)), "b#g1": SliceSpec(50.0, (0,))}
+    guests = {"a#g1": "a", "b#g1": "b"}
+    # a guest runs only while its lane is idle: no worker computes beside another
+    assert passive_models(lanes, concurrent=True, guests=guests) == frozenset()
+    assert passive_models(lanes, concurrent=True) == set(lanes)  # counted as concurrent
+    # warm-ups on the same cores would time each other: the guests start in a second wave
+    names = list(lanes)
+    assert [[names[i] for i in w] for w in _waves(names, lanes)] == [["a", "b"],
+                                                                     ["a#g1", "b#g1"]]
+    gpu = {n: SliceSpec(50.0, ()) for n in lanes}  # no cores named: all at once
+    assert _waves(names, gpu) == [[0, 1, 2, 3]]
