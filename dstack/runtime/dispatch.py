@@ -11,7 +11,11 @@ Driving it:
   simulator's nothing). A served model with replicas (`groups`: its name -> its workers'
   names, `dstack.policies.replicas`) is admitted to the replica with the fewest items
   waiting, an idle one first, one the plan leaves out last; the ticket's `model` is that
-  replica's position. Its `counters` and `pending` are the replicas' summed.
+  replica's position. Its `counters` and `pending` are the replicas' summed. A *guest*
+  worker (`Policy.guests`: the `dstack` policy's worker of a model on another lane) has
+  no queue: a `Launch` with `on` set takes from its host's queue onto it, and admission
+  lets in a request its own worker would finish late when idle guests can take the
+  queue in time (`_guest_finish`).
 - `step(now)` -> `Step`: batches to launch now (their tickets taken off the queues),
   tickets refused because they can no longer make their deadline, failures (a policy that
   raised: its queued tickets, with the reason), and when to step again at the latest.
