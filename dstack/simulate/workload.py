@@ -191,6 +191,18 @@ def _options(spec: str, kind: str, parts: list[str]) -> tuple[float, int, bool]:
     return compress, int(superpose), mean == "run"
 
 
+def _timestamp(cell: str) -> float | None:
+    """A trace cell as seconds (a number, or a date such as `2023-11-16 18:15:46.68`)."""
+    try:
+        return float(cell)
+    except ValueError:
+        pass
+    try:
+        return float(np.datetime64(cell.replace(" ", "T"), "ns").astype(np.int64)) / 1e9
+    except ValueError:
+        return None
+
+
 def trace_counts(path: str | Path) -> np.ndarray:
     """Requests per second of a timestamp trace (its first column: seconds, or dates)."""
     path = Path(path)
@@ -200,21 +212,16 @@ def trace_counts(path: str | Path) -> np.ndarray:
         raise WorkloadError(f"{path}: no such trace file") from None
     cells = [row[0].strip() for row in csv.reader(lines) if row and row[0].strip()
              and not row[0].lstrip().startswith("#")]
-    try:
-        float(cells[0]) if cells else None
-    except ValueError:
-        cells = cells[1:]  # a header, or a date: tried below
+    if cells and _timestamp(cells[0]) is None:
+        cells = cells[1:]  # a header
     if not cells:
         raise WorkloadError(f"{path}: no timestamps in its first column")
-    try:
-        secs = np.asarray([float(c) for c in cells])
-    except ValueError:
-        try:
-            stamps = np.asarray([np.datetime64(c.replace(" ", "T"), "ns") for c in cells])
-        except ValueError as e:
-            raise WorkloadError(f"{path}: its first column is neither seconds nor dates "
-                                f"({e})") from None
-        secs = (stamps - stamps.min()) / np.timedelta64(1, "s")
+    stamps = [_timestamp(c) for c in cells]
+    bad = next((c for c, t in zip(cells, stamps, strict=True) if t is None), None)
+    if bad is not None:
+        raise WorkloadError(f"{path}: its first column is neither seconds nor dates "
+                            f"({bad!r})")
+    secs = np.asarray(stamps, dtype=float)
     secs = secs - secs.min()
     return np.bincount(secs.astype(np.int64)).astype(float)
 

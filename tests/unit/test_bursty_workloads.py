@@ -57,6 +57,9 @@ def test_replay_follows_the_trace_shape_from_each_models_own_offset(tmp_path: Pa
     trace.write_text("TIMESTAMP,tokens\n" + "\n".join(f"{s},7" for s in stamps) + "\n")
     counts = trace_counts(trace)
     assert counts.size == 100 and counts[55] == 40 and counts[10] == 1
+    bare = tmp_path / "bare.csv"  # no header: the first date is a request too
+    bare.write_text("\n".join(stamps) + "\n")
+    assert trace_counts(bare).tolist() == counts.tolist()
     arr = generate(f"replay:{trace}", {"a": 10.0, "b": 10.0}, 100.0, 3)
     for m in ("a", "b"):
         c = np.bincount(arr.times_of(m).astype(int), minlength=100)[:100]
