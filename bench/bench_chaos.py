@@ -602,20 +602,24 @@ def refusal_cost(args: argparse.Namespace) -> list[Row]:
     return out
 
 
+#: One model of next to no compute on a 600 KB input, every request answered.
+ACCEPT_CONFIG = {"device": "cpu", "policy": "shared", "worker_nice": 0, "models": [
+    {"name": "image", "zoo_name": "pool_linear", "slo_ms": 1000, "max_batch_size": 8,
+     "max_queue_delay_ms": 0}]}
+
+
 def accept_cost(args: argparse.Namespace) -> list[Row]:
     """What an answered request costs the server's processes, the worker's compute aside:
     one model of next to no compute on the same 600 KB input (`pool_linear`,
-    `bench.frontend_cost.RUNTIME_CONFIG`: policy `shared`, SLO 1 s), `--accept-requests`
+    `ACCEPT_CONFIG`: policy `shared`, SLO 1 s), `--accept-requests`
     one-item requests sent back to back on 8 kept-alive connections, every one answered
     (`answered_per_s` under `per_s` says some were refused: their CPU is in the figures).
     With front ends (`--frontends`): how much of it the dispatch process still spends
     (`server_*`) and what the front ends spend (`frontends_us`)."""
-    from bench.frontend_cost import RUNTIME_CONFIG
-
     out = []
     for n in args.frontends:
         cfg = OUT / f"accept-cost-{n}.yaml"
-        cfg.write_text(yaml.safe_dump({**RUNTIME_CONFIG,
+        cfg.write_text(yaml.safe_dump({**ACCEPT_CONFIG,
                                        "server": {"frontends": n}}))
         out.append(_server_cost(cfg, "image", args.accept_requests,
                                 "accept cost (pool_linear, 600 KB bodies", n))

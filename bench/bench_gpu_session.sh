@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment probe, knee sweep (MPS, CUDA-graph timing), kernel traces,
 # GPU tests, shadow-gap and transfer benches, green-context probe; on request: graphs
-# (bench/bench_gpu_graphs.py: CUDA graphs against eager, side by side), frontend (the HTTP
-# front end's CPU per request and per refusal on this host's CPU) and overload (the chaos
+# (bench/bench_gpu_graphs.py: CUDA graphs against eager, side by side), frontend (the
+# server's CPU per answered and per refused request on this host's CPU) and overload (the chaos
 # benchmark's overload scenario on the GPU mix: dstack and spatial side by side, the load
 # generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
 # OVERLOAD_ARGS="--capacity-scale 8"; PROFILE=dstack+4fe: a py-spy profile of that server).
@@ -87,7 +87,7 @@ if step graphs; then
   mps_stop; pack
 fi
 if step frontend; then
-  { timeout 90 python3 -m bench.frontend_cost --reps 3 | tail -1
+  { timeout 90 python3 -m bench.bench_chaos --only accept-cost | grep -i 'accept cost'
     timeout 90 python3 -m bench.bench_chaos --only refusal-cost | grep -i 'refusal cost'; } \
     > "$OUT/logs/frontend.txt" 2>&1
   echo "frontend rc=$?" >> "$OUT/summary.txt"; cat "$OUT/logs/frontend.txt" >> "$OUT/summary.txt"
@@ -98,7 +98,7 @@ if step overload; then
   # PROFILE=LABEL (e.g. dstack+4fe): py-spy (a carried wheel) samples that server's deciding
   # process for PROFILE_S s from PROFILE_DELAY s after it starts, without pausing it, at
   # PROFILE_RATE a s (100); PROFILE_FORMAT=speedscope keeps every tick in order, idle ones
-  # too, for bench.profile_stalls (what held the loop, stall by stall).
+  # too (open it in speedscope.app).
   PF=${PROFILE_FORMAT:-raw}; PR=${PROFILE_RATE:-100}
   if [ -n "${PROFILE:-}" ]; then
     ( for _ in $(seq 1 300); do
@@ -125,12 +125,7 @@ if step overload; then
   if [ -s "$OUT/logs/profile.raw" ]; then  # where the profiled process's time went
     python3 -m bench.profile_summary "$OUT/logs/profile.raw" --top 15 >> "$OUT/summary.txt"
   fi
-  if [ -s "$OUT/logs/profile.speedscope" ]; then  # what held it, stall by stall
-    { head -1 "$OUT/logs/profile.txt"
-      python3 -m bench.profile_stalls "$OUT/logs/profile.speedscope" --rate "$PR"; } \
-      > "$OUT/logs/stalls.txt" 2>&1
-    cat "$OUT/logs/stalls.txt" >> "$OUT/summary.txt"; gzip -f "$OUT/logs/profile.speedscope"
-  fi
+  [ -s "$OUT/logs/profile.speedscope" ] && gzip -f "$OUT/logs/profile.speedscope"
   pack
 fi
 pack

@@ -54,7 +54,7 @@ class PoolLinear(nn.Module):
     """An image classifier that costs next to nothing (average pool, one linear layer) on
     the 3x224x224 inputs of the real ones: a load whose bottleneck is the server itself,
     its HTTP front end and dispatch, as when the models run on a GPU
-    (`bench/bench_frontend_overload.py`)."""
+    (the removed `bench.bench_frontend_overload`; docs/decisions.md)."""
 
     def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()

@@ -55,7 +55,7 @@ def steady_heap(mmap_threshold: int, trim_threshold: int) -> bool:
     whether each body's pages are faulted in anew depended on what the process had freed
     before: over the same front end, 150-220 page faults per 600 KB request (about 510 us
     of CPU a request, two thirds in the kernel) when nothing big had been freed, none
-    (about 200 us) after one 16 MB block had (`python -m bench.frontend_cost`). Fixed
+    (about 200 us) after one 16 MB block had (the removed `bench.frontend_cost`). Fixed
     here: blocks under `mmap_threshold` come from the heap, whose top goes back to the OS
     only past `trim_threshold` free; bigger blocks are mapped, and unmapped when freed.
     False where malloc is not glibc's (nothing changed)."""

@@ -24,7 +24,7 @@ only after waiting 5 ms, and the loop's thread then waits as long for it back: a
 of 5-8 ms of Python beside a loop busy 80% of the time took 8.5-62 s (a plan that long
 out of date), and each time it got the GIL it held the loop 5-8 ms. At
 `SWITCH_INTERVAL_S` the same re-plans took 15-25 ms and the loop was at most 0.6 ms late
-(`python -m bench.gil_handoff`; docs/reliability.md, "Overload, thirty-fifth step").
+(the removed `bench.gil_handoff`; docs/decisions.md).
 `dstack serve` and `dstack cluster serve` set it (`prompt_gil_handoffs`,
 `server.switch_interval_ms`). The interval matters only while two threads want the GIL:
 with one running thread, nothing switches.

@@ -4,8 +4,8 @@ Tensors never travel in these messages: they sit in the worker's shared-memory a
 (`dstack.runtime.shm`); a message only says which slot and how many items. They go over
 the worker's pipe as `encode` makes them: the two of every batch (`RunBatch`, `BatchDone`)
 as fixed-size structs, the rest pickled. (With both pickled, the dispatcher's process
-spent 290 us per request at batches of one, against 248 us with the structs: `python -m
-bench.frontend_cost --backend runtime-only --connections 1`, three pairs; docs/reliability.md.)
+spent 290 us per request at batches of one, against 248 us with the structs: the
+removed bench.frontend_cost, three pairs; docs/decisions.md.)
 """
 
 from __future__ import annotations
