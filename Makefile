@@ -133,7 +133,7 @@ bench-bursty: $(BUILT)
 # Overload (1x/2x/4x of capacity), worker kill -9, big JSON bodies, slowloris, stalled
 # uploads, SIGTERM under load, 100,000 fuzzed requests and the server's CPU per refusal
 # against real CPU servers; one table, every number in out/chaos/chaos.json
-# (docs/reliability.md; ~35 minutes, most of it the fuzzer).
+# (docs/limits.md; ~35 minutes, most of it the fuzzer).
 # E.g. CHAOS_ARGS="--only overload slowloris --fuzz 10000".
 CHAOS_ARGS ?=
 

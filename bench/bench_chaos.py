@@ -5,7 +5,7 @@ bounded in count and time, and ONE table:
   scenario | sent | in SLO | refused (by reason) | 4xx other | 5xx | hung | conn | server
   peak / final RSS
 
-Scenarios (docs/reliability.md, "Chaos and fuzz benchmark", has the figures):
+Scenarios (docs/limits.md has the figures):
 
 - overload: `configs/bench-mix-{dstack,spatial}.yaml` under open-loop Poisson at 1x, 2x and
   4x of capacity (the mix's `rate_rps` ratio; capacity = the multiple of it with the most
@@ -146,7 +146,7 @@ def _fmt(v: Any) -> str:
 #: wakes, as the server does, and times its answers when they come. The CPU it takes is the
 #: same at any niceness (the load is open-loop). At the workers' niceness (10, until
 #: 2026-11-24) it queued behind them for a share of a core at each wake-up: a GET that does
-#: nothing took 5.7-7.0 ms p99 at 2x, 2.2-3.8 ms at nice 0 (`docs/reliability.md`).
+#: nothing took 5.7-7.0 ms p99 at 2x, 2.2-3.8 ms at nice 0 (`docs/decisions.md`).
 LOAD_NICE = 0
 
 #: How much nicer the hostile big-body sender runs: as nice as the workers. It is load the

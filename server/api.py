@@ -175,7 +175,7 @@ class ServingApi:
     async def decode_data(self, head: codec.RequestHead, model: str,
                           received: float) -> codec.InferRequest:
         """The request's JSON values, parsed on the loop a piece at a time (0.2 to
-        1.4 ms each), letting other requests run between pieces (docs/reliability.md).
+        1.4 ms each), letting other requests run between pieces (docs/limits.md).
         After the first piece of a body with more, the backend is asked again whether the
         request can meet its SLO, its parse taking yet what the rest takes at this
         piece's pace: a body that would be parsed too late is refused unparsed."""

@@ -3,7 +3,7 @@
 `serve` starts the runtime's workers before the socket accepts anything and says "ready"
 only then; a start-up failure is one line on stderr and exit code 2. SIGINT and SIGTERM
 both drain: requests in flight get `server.shutdown_grace_s` to finish, then the workers
-stop and the process exits 0. `docs/reliability.md` describes every limit.
+stop and the process exits 0. `docs/limits.md` describes every limit.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ allocator's thresholds fixed for the server's process (`steady_server_heap`).
 A body arrives as many chunks of up to 64 KiB. glibc serves those from its heap (below its
 mmap threshold), and a heap page freed in the middle goes back to the OS only when
 `malloc_trim` is called: without it, a burst of 20 x 19 MB JSON bodies left the server's
-RSS 190 MB above where it started (docs/reliability.md). `malloc_trim(0)` returns every
+RSS 190 MB above where it started (docs/decisions.md). `malloc_trim(0)` returns every
 whole free page of every arena (`madvise(MADV_DONTNEED)`); freed memory is otherwise
 untouched, and the next allocation gets fresh pages from the OS as usual.
 """

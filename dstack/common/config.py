@@ -103,7 +103,7 @@ class ServerConfig(_Strict):
     client that sends again the moment it is refused (tritonclient in a loop, Locust, a
     retrying proxy) is so paced to what the model serves: answered at once, such clients
     sent over 1,000 requests a second on a 2-core machine, whose uploads took the CPU
-    the batches needed, and goodput collapsed (docs/reliability.md). False: at once."""
+    the batches needed, and goodput collapsed (docs/decisions.md). False: at once."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On SIGTERM / SIGINT: how long requests in flight may take to finish (uploads still
     arriving are refused at once with 503); what is still running after it is cancelled."""
@@ -136,8 +136,7 @@ class ServerConfig(_Strict):
     the server would have taken. At normal load a front end waits for the decision. 0: it
     always waits. Default (`decision_timeout_s`): 3 on a CUDA device, 0 on a CPU device,
     where the server's process shares the cores with the workers' compute and a request
-    not decided in time was more often one it would have taken (docs/reliability.md,
-    "Overload, thirty-second step")."""
+    not decided in time was more often one it would have taken (docs/decisions.md)."""
     switch_interval_ms: Annotated[float, Field(gt=0, le=100)] = 1000 * SWITCH_INTERVAL_S
     """How long a thread of the server's processes (front ends included) that runs Python
     (a re-plan's solve, a model's load) keeps the GIL while the event loop waits for it:
@@ -241,8 +240,7 @@ class AdaptConfig(_Strict):
     Python then take turns at the GIL with the event loop, which falls that far behind.
     `auto`: a process on a CUDA device, where the loop has a core to itself and every ms
     it loses delays requests in hand; a thread on a CPU device, where the GIL's turns keep
-    the solve from taking a second core from the workers (docs/reliability.md, "thirty-
-    eighth step")."""
+    the solve from taking a second core from the workers (docs/decisions.md)."""
 
 
 class DeployConfig(_Strict):
@@ -294,7 +292,7 @@ class DeployConfig(_Strict):
     worker_nice: Annotated[int, Field(ge=0, le=19)] = 10
     """Workers run this much nicer than the server (Linux `nice`): on cores the workers
     share with the server's event loop, reading requests, refusing and answering them go
-    before compute (measured in docs/reliability.md, "Overload, fifth step"). 0: the same
+    before compute (measured in docs/decisions.md). 0: the same
     priority."""
     models: list[ModelConfig] = Field(min_length=1)
 

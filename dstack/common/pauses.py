@@ -4,7 +4,7 @@ a thread of the process from holding the event loop's GIL for 5 ms at a time.
 A process that has imported torch, numpy and the server holds about 370,000 objects that
 live until it exits, and CPython's full collection (generation 2) walks every one of them:
 157 ms in the HTTP process and 151 ms in a model worker, measured on the 2-core machine of
-`docs/reliability.md`. In the server those are 157 ms in which the event loop reads,
+`docs/decisions.md`. In the server those are 157 ms in which the event loop reads,
 refuses and answers nothing; in a worker, a batch 151 ms late and every request queued
 behind it with it. `freeze_startup_objects()` moves every object alive at the end of
 start-up into the permanent generation (`gc.freeze`), which collections skip: a full

@@ -186,7 +186,7 @@ class Profile:
         it: the cells of slices of at most `n` cores, each at its share of those `n`
         (a 1-core cell of a 2-core profile is 100% of a 1-core server; the 2-core cells go).
         Without it a server pinned to one core planned its 100% lane with the latencies of
-        two cores: half what its batches took (measured in docs/reliability.md). Itself
+        two cores: half what its batches took (measured in docs/decisions.md). Itself
         for a non-CPU profile, or for `n` at or above the profiled cores (the cells then
         reach only part of the device, and what is beyond the largest is read as it)."""
         total = self.device.units

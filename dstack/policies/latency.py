@@ -190,7 +190,7 @@ class LinearLatency:
         # came out far off and was a lone outlier, whose scaling of a line with a negative
         # fixed cost made it steeper, while the fit at 2 held it there: the line ran away
         # to 0 and 86 ms in 80 batches, and admission then refused every request that
-        # would wait behind another (measured under overload, docs/reliability.md).
+        # would wait behind another (measured under overload, docs/decisions.md).
         far: cython.long = 0
         if seconds > 2 * pred:
             far = 1

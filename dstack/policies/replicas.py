@@ -1,7 +1,7 @@
 """Replicas: more than one worker for a model that one worker cannot keep up with.
 
 A model's cheapest way to serve a request is often a batch on a slice near its knee
-(`docs/knee_profiler.md`), but one worker there may serve fewer requests per second than
+(`docs/profiles.md`), but one worker there may serve fewer requests per second than
 arrive. The ideal bound (docs/simulator.md) serves them at that cost anyway; a plan can do
 the same only by running several copies of the model side by side, each on its own
 slice, as Triton's `instance_group { count: N }` does.

@@ -41,7 +41,7 @@ The refusal rules (every refusal names one):
 A model the policy passes over is refused at admission, not left to expire. Each request
 admitted to it would have its body read and wait its whole SLO, only to be refused
 `expired` (the low tier of a lane that its other models keep busy under overload: on one
-CPU core, most of resnet18's requests; measured in docs/reliability.md). So once one of
+CPU core, most of resnet18's requests; measured in docs/decisions.md). So once one of
 its requests has expired in the queue while none of its batches ran, and it has started
 no batch for `probe_s` (or its SLO, if longer), ``work_ahead`` refuses its requests, all
 but one each `probe_s`; the first batch it starts lifts that. (After one SLO without a
@@ -60,7 +60,7 @@ arrive while they would still be due before it. Counting only the model's own qu
 request of resnet18 sharing one core's lane with mobilenet_v3_small (SLOs 250 and 60 ms)
 under overload was admitted to an empty queue and then waited while every mobilenet
 request due before it ran: about 500 of them a 30-second window were refused `expired`
-after 216 ms, and those set the p99 of all refusals (measured in docs/reliability.md).
+after 216 ms, and those set the p99 of all refusals (measured in docs/decisions.md).
 
 Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
 batches took at their quickest, rising only slowly), and so does admission of a request
@@ -73,7 +73,7 @@ the mean batches run) for all of it: the running batch's end, the batches ahead,
 batch; and that finish is scaled by the model's `margin`. Under overload the queue stays
 full up to the last request admission lets in, so every request admitted is one at the
 margin: on the mean about half of them were refused later, as `expired`, after waiting
-most of their SLO, or answered late (measured in docs/reliability.md); on the slow end of
+most of their SLO, or answered late (measured in docs/decisions.md); on the slow end of
 one batch, still one in 20 to 50 (it misses if any batch before it runs long). The
 `margin` is a running quantile fed by the outcome of every request admitted behind work:
 it grows on each one answered late or refused after waiting, and shrinks slowly on each
@@ -103,7 +103,7 @@ header) a request it lets through counts as queued, one item, until `release(mod
 (when it comes back with its body read) or until its SLO has gone by: without that, requests
 whose headers passed while others' bodies were still being read were refused only once
 their own bodies had been read too (120 a second at 4x load on one core, against 2 with
-holds; measured in docs/reliability.md).
+holds; measured in docs/decisions.md).
 
 An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
 is refusing requests is re-measured: when the model has refused by estimate (its own
@@ -116,7 +116,7 @@ policy's batch cap) may queue behind the probe, no more. So a stale or contended
 estimate cannot shut a model out for longer than about `probe_s`. (Without that bound,
 every request that came while a probe's batch ran was admitted: up to 43 items at once
 behind a resnet18 probe in a lane under load, nearly all of which expired, 237 of the
-255 `expired` refusals of one run; docs/reliability.md. And with probes on its lane
+255 `expired` refusals of one run; docs/decisions.md. And with probes on its lane
 mates' account, resnet18 sharing one core with mobilenet_v3_small had a request about
 every two seconds admitted to its empty queue and answered late: 48 in a run of 1x, 2x
 and 4x windows, against 24 without them.)
@@ -131,7 +131,7 @@ policy's batch cap (when that is more than one), until that batch launches. That
 runs untrimmed and re-measures the estimate as a probe's does. (Batches of one measure a
 batch of one only: a line gone steep, say 8 ms for one item and 86 ms for two, refused
 everything behind work under overload and kept the model at batches of one, half its
-goodput, for minutes; measured in docs/reliability.md.)
+goodput, for minutes; measured in docs/decisions.md.)
 
 Written in Cython's pure-Python mode (setup.py compiles it; uncompiled it runs as it reads,
 with the same results, tests/unit/test_compiled.py): the simulator drives it millions of

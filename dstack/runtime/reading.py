@@ -25,7 +25,7 @@ body more at once cannot cost such a request its deadline, and refusing it would
 turn a load the server keeps up with into refusals (a model of 1 s SLO with 8 clients
 sending 600 KB bodies back to back on two cores had 68% of its requests refused so).
 
-Measured in docs/reliability.md, "Overload, twenty-seventh step" and "thirty-third step"."""
+Measured in docs/decisions.md."""
 
 from __future__ import annotations
 

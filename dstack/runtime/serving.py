@@ -97,7 +97,7 @@ LAG_TICK_S = 0.01
 #: ... into a running mean over about this long (each sample weighs 1 - exp(-dt / tau), dt
 #: the time since the one before), so that it follows a loop that stays behind, not each
 #: busy moment. Over time, not per sample: a loop 250 ms behind samples only 4 times a
-#: second (docs/reliability.md, "Overload, eleventh step").
+#: second (docs/decisions.md).
 LAG_TAU_S = 1.0
 #: A request not admitted yet still goes through the loop this many times before it is
 #: answered, each time behind what the loop has ready then (its queueing, its batch's
@@ -105,12 +105,12 @@ LAG_TAU_S = 1.0
 #: queue this many lags from now, after the rest of its body (`Runtime.body_s`). One lag
 #: was tried once the body's time was measured: with the load generator on the server's
 #: cores, 89.6-93.0% of accepted requests were answered within SLO at 4x, against
-#: 95.7-96.0% with three (docs/reliability.md, "Overload on an H100").
+#: 95.7-96.0% with three (docs/decisions.md).
 LAG_TURNS = 3
 #: A model's bodies take the median of its last BODY_READS reads to arrive
 #: (`Runtime.observe_body`): with the server and its workers on one core, mobilenet's
 #: bodies took 1.3 ms at the median and 174 ms at the 99th percentile, and a running mean
-#: moved with that tail (docs/reliability.md, "Overload on an H100", what was tried).
+#: moved with that tail (docs/decisions.md, what was tried).
 BODY_READS = 31
 #: ... which fades with this time constant while no body is read: bodies slow enough to
 #: refuse every request at its header are never read again, and without the fading that
@@ -665,8 +665,7 @@ class Runtime:
         `LAG_TURNS` times: a loop short of CPU reads a 600 KB body in several turns, and
         without the body's time a check at the header let through requests that the
         check after the body refused, each body read for nothing (2,249 of 2,495 at
-        2,400 rps, four times a front end's capacity; docs/reliability.md, "Overload on
-        an H100")."""
+        2,400 rps, four times a front end's capacity; docs/decisions.md)."""
         self.check_admission(model)
         limit = self.read_limit if hold else None
         if limit is not None:

@@ -1,7 +1,6 @@
-"""The connection cap against a real `dstack serve` process (docs/reliability.md, "Read
-timeouts and the connection cap"): at the cap a new connection closes the one that has
-waited longest for a request header; only when every connection is inside a request is
-the new one refused with 503."""
+"""The connection cap against a real `dstack serve` process (docs/limits.md): at the cap
+a new connection closes the one that has waited longest for a request header; only when
+every connection is inside a request is the new one refused with 503."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Where a real `dstack serve` puts its own process when `server.cores` is unset: on the
 cores its workers leave free, else beside the worker of the model with the longest SLO,
-off the core of the one whose SLO is tight (docs/reliability.md, "Overload, thirty-fourth
-step")."""
+off the core of the one whose SLO is tight (docs/decisions.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Read timeouts, body size and budget limits, bearer auth and answers' Server-Timing, each
-checked against a real `dstack serve` process (docs/reliability.md). The connection cap:
+checked against a real `dstack serve` process (docs/limits.md). The connection cap:
 test_connection_cap.py."""
 
 from __future__ import annotations

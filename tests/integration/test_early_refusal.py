@@ -682,7 +682,7 @@ class HoldingBackend(RefusingBackend):
 def test_a_request_let_through_at_its_header_holds_its_place_until_it_is_back() -> None:
     """Requests that pass the header check while others are still having their bodies
     read see those as queued (under overload, 120 requests a second were otherwise
-    refused only once their 600 KB bodies had been read: docs/reliability.md). The hold
+    refused only once their 600 KB bodies had been read: docs/decisions.md). The hold
     is given back whatever happens next: answered, a malformed body, a client gone."""
     with _serving(backend=HoldingBackend()) as (addr, backend):
         assert isinstance(backend, HoldingBackend)

@@ -4,7 +4,7 @@ for the loop several times (its body, its batch's launch and end, its answer), s
 checks before admission count the loop's lag (`Runtime.loop_lag_s`). Without it, a loop
 short of CPU let requests in that then expired in the queue, each one's body read and
 parsed for nothing: the server took more CPU the further it fell behind, and its goodput
-went to nothing (docs/reliability.md, "Overload, tenth step"). /metrics shows the lag."""
+went to nothing (docs/decisions.md). /metrics shows the lag."""
 
 from __future__ import annotations
 

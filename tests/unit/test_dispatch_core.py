@@ -143,7 +143,7 @@ def test_while_a_probes_batch_runs_one_batch_may_queue_behind_it_no_more() -> No
     """The estimate refuses nothing while a probe re-measures it, but only the batch after
     the probe's may fill meanwhile (the batch cap, 4): the requests beyond it would wait
     for batches nobody has measured, and under a lane mate's load they expired queued
-    (237 of 255 `expired` refusals in one overload run, docs/reliability.md)."""
+    (237 of 255 `expired` refusals in one overload run, docs/decisions.md)."""
     core = core_for(estimates={A: trusted(0.5)}, probe_s=1.0)
     assert isinstance(core.admit(A, 1, 0.0), Refusal)
     probe = core.admit(A, 1, 1.0)
