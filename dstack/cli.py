@@ -24,7 +24,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from server.main import serve
 
-    return serve(args.config, host=args.host, port=args.port, grpc_port=args.grpc_port)
+    return serve(args.config, host=args.host, port=args.port, grpc_port=args.grpc_port,
+                 allow_client_shm=args.allow_client_shm)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help="override server.port")
     s.add_argument("--grpc-port", type=int, default=None,
                    help="override server.grpc_port (the gRPC endpoint; 0: off)")
+    s.add_argument("--allow-client-shm", action="store_true", default=None,
+                   help="turn server.allow_client_shm on (Triton's system and CUDA "
+                        "shared-memory extensions, for clients on this host)")
     s.set_defaults(func=_cmd_serve)
 
     pr = sub.add_parser("profile", help="measure this machine's profiles of a config's models "

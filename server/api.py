@@ -23,6 +23,7 @@ from dstack.common.types import ModelSpec, TensorSpec
 from server import codec
 from server.metrics import Metrics
 from server.model_config import triton_model_config
+from server.shm import SharedMemory
 
 SERVER_NAME = "dstack"
 MODEL_VERSION = "1"
@@ -83,14 +84,17 @@ class ServingApi:
 
     `metrics` counts every failed infer request (`count_failure`), wherever it came from,
     so that the statistics and `/metrics` say the same; `observe_latency` times answered
-    ones into the dashboard's histogram."""
+    ones into the dashboard's histogram. `shm`: the shared-memory extensions (off: none)."""
 
     def __init__(self, backend: InferenceBackend, metrics: Metrics,
-                 observe_latency: Callable[[str, float], None]) -> None:
+                 observe_latency: Callable[[str, float], None],
+                 shm: SharedMemory | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.observe_latency = observe_latency
-        self.server_meta = {"name": SERVER_NAME, "version": version(), "extensions": EXTENSIONS}
+        self.shm = shm if shm is not None else SharedMemory(False)
+        self.server_meta = {"name": SERVER_NAME, "version": version(),
+                            "extensions": [*EXTENSIONS, *self.shm.extensions]}
         # A backend that can queue requests while a model's worker restarts says itself
         # whether one can be taken now (`Runtime.check_admission`); others must be ready.
         self.check_admission: Callable[[str], None] = getattr(

@@ -47,6 +47,8 @@ from server.dashboard import install_dashboard
 from server.early import HELD, INFER_PATH
 from server.limits import error_json, header, retry_after
 from server.metrics import CONTENT_TYPE, Metrics
+from server.shm import SharedMemory
+from server.shm_http import install_shm_routes
 
 log = logging.getLogger("dstack.server")
 
@@ -179,15 +181,18 @@ def create_app(
     max_body_bytes: int,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
     title: str = "dstack",
+    allow_client_shm: bool = False,
 ) -> FastAPI:
     """Build the app. `lifespan` starts and stops the backend (see `server.main`);
-    tests pass a ready fake backend and none."""
+    tests pass a ready fake backend and none. `allow_client_shm`: serve the system and
+    CUDA shared-memory extensions to clients on this host (`server.shm`)."""
     app = FastAPI(title=title, version=version(), lifespan=lifespan)
     app.add_middleware(_CatchAll)
     metrics = Metrics(backend, MODEL_VERSION)
     app.state.metrics = metrics
     dashboard = install_dashboard(app, backend, metrics, MODEL_VERSION)  # GET /dashboard
-    api = ServingApi(backend, metrics, dashboard.latency.observe)
+    shm = SharedMemory(allow_client_shm)
+    api = ServingApi(backend, metrics, dashboard.latency.observe, shm)
     app.state.api = api  # what the gRPC endpoint serves (server.grpc_server)
     server_meta = api.server_meta
 
@@ -281,6 +286,8 @@ def create_app(
     async def config(model: str, version: str | None = None) -> dict[str, Any]:
         return api.model_config(model, version)
 
+    install_shm_routes(app, shm, max_body_bytes)
+
     latency = dashboard.latency
 
     async def infer(scope: Scope, receive: Receive, send: Send, model: str,
@@ -325,7 +332,9 @@ def create_app(
         if observe_body is not None:
             observe_body(model, time.monotonic() - received)
         hlen = header(scope, HEADER_LENGTH)
-        head = codec.parse_request(body, None if hlen is None else hlen.decode("latin-1"), spec)
+        client = scope.get("client")
+        head = codec.parse_request(body, None if hlen is None else hlen.decode("latin-1"), spec,
+                                   shm.access(client[0] if client else None))
         held = scope.pop(HELD, None)
         if held is not None and release is not None:
             release(*held)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -40,6 +40,9 @@ import orjson
 from dstack.common.errors import BackendError, RequestError
 from dstack.common.types import DType, ModelSpec, TensorSpec
 from server import json_tensors
+
+if TYPE_CHECKING:  # server.shm imports this module: no import at run time
+    from server.shm import OutputTarget, ShmAccess
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """HTTP header giving the JSON header's length when binary tensors follow it."""
@@ -74,6 +77,7 @@ class RequestedOutput:
 
     name: str
     binary: bool | None = None
+    shm: OutputTarget | None = None  # written into a shared-memory region (server.shm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,13 +359,22 @@ def _split_header(body: bytes, end: int) -> tuple[dict[str, Any], list[tuple[int
     return _loads(view if end == len(body) else view[:end], "request header"), []
 
 
+def _no_shm(where: str) -> RequestError:
+    return RequestError(f"{where}: shared-memory tensors are not enabled on this server "
+                        "(server.allow_client_shm / --allow-client-shm)")
+
+
 def parse_request(body: bytes | memoryview, header_length: int | str | None,
-                  spec: ModelSpec) -> RequestHead:
+                  spec: ModelSpec, shm: ShmAccess | None = None) -> RequestHead:
     """Decode and validate everything of an infer request but its JSON values.
 
     `body` may be any bytes-like object (a front end's shared memory: `server.link`): its
     JSON part is then copied into `bytes` (the JSON header of a binary request: small), its
     binary tensors are views of it.
+
+    `shm`: what the request may do with tensors in shared memory (`server.shm.SharedMemory
+    .access`; None: refused): an input there is a view of its region, an output is
+    written into its region by `encode_response`.
 
     Raises RequestError naming what is wrong (as `decode_request`); the values' own
     errors (wrong kind, count, range, malformed numbers) come from `decode_data`.
@@ -394,10 +407,15 @@ def parse_request(body: bytes | memoryview, header_length: int | str | None,
         where = f"input {name!r}"
         batch = shape[0]
         tparams = _params(t, where)
-        if "shared_memory_region" in tparams:
-            raise RequestError(f"{where}: shared-memory tensors are not supported")
         size = tparams.get("binary_data_size")
-        if size is not None:
+        if "shared_memory_region" in tparams:
+            if size is not None or "data" in t:
+                raise RequestError(f"{where} has both shared_memory_region and "
+                                   f"{'data' if 'data' in t else 'binary_data_size'}: give one")
+            if shm is None:
+                raise _no_shm(where)
+            binary_inputs[name] = shm.input(tparams, dt, shape, where)
+        elif size is not None:
             if "data" in t:
                 raise RequestError(f"{where} has both 'data' and binary_data_size")
             if hlen is None:
@@ -434,7 +452,7 @@ def parse_request(body: bytes | memoryview, header_length: int | str | None,
     binary_output = params.get("binary_data_output", False)
     if not isinstance(binary_output, bool):
         raise RequestError("parameters.binary_data_output must be true or false")
-    outputs = parse_outputs(header.get("outputs"), spec)
+    outputs = parse_outputs(header.get("outputs"), spec, shm)
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise RequestError("'id' must be a string")
@@ -510,7 +528,10 @@ def _json_array(body: bytes, j: _JsonInput) -> Generator[int, None, np.ndarray]:
     return out.reshape(j.shape)
 
 
-def parse_outputs(raw: object, spec: ModelSpec) -> tuple[RequestedOutput, ...]:
+def parse_outputs(raw: object, spec: ModelSpec,
+                  shm: ShmAccess | None = None) -> tuple[RequestedOutput, ...]:
+    """The request's `outputs`; one in shared memory has its region checked now (`shm`;
+    None: refused), before the request runs."""
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -530,7 +551,12 @@ def parse_outputs(raw: object, spec: ModelSpec) -> tuple[RequestedOutput, ...]:
         binary = p.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise RequestError(f"output {name!r}: binary_data must be true or false")
-        out.append(RequestedOutput(name, binary))
+        target = None
+        if "shared_memory_region" in p:
+            if shm is None:
+                raise _no_shm(f"output {name!r}")
+            target = shm.output(p, f"output {name!r}")
+        out.append(RequestedOutput(name, binary, target))
     return tuple(out)
 
 
@@ -602,13 +628,32 @@ def encode_response(
     Returns the body and the value of `Inference-Header-Content-Length` (None when no
     output is binary: the whole body is JSON).
     """
-    tensors = [(_tensor_json(name, dt, arr), arr, dt, binary)
-               for name, dt, arr, binary in response_outputs(model_name, request, outputs, spec)]
+    targets = shm_targets(request)
+    entries = []
+    tensors = []
+    for name, dt, arr, binary in response_outputs(model_name, request, outputs, spec):
+        entry = _tensor_json(name, dt, arr)
+        entries.append(entry)
+        target = targets.get(name)
+        if target is not None:  # written into its region: the answer says where
+            entry["parameters"] = target.write(name, _raw(arr, dt))
+        else:
+            tensors.append((entry, arr, dt, binary))
     head: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         head["id"] = request.id
-    head["outputs"] = [t[0] for t in tensors]
+    head["outputs"] = entries
     return _encode(head, tensors)
+
+
+def shm_targets(request: InferRequest) -> dict[str, OutputTarget]:
+    """The request's outputs that go into shared memory, by name."""
+    return {o.name: o.shm for o in request.outputs if o.shm is not None}
+
+
+def _raw(arr: np.ndarray, dt: DType) -> np.ndarray:
+    """`arr` as its datatype's raw bytes are laid out (row-major, little-endian)."""
+    return np.ascontiguousarray(arr, dtype=NP_DTYPES[dt])
 
 
 # --------------------------------------------------------------------------- client side

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
@@ -24,6 +25,9 @@ from tritonclient.grpc import service_pb2 as pb
 from dstack.common.errors import RequestError
 from dstack.common.types import DType, ModelSpec
 from server import codec
+
+if TYPE_CHECKING:
+    from server.shm import ShmAccess
 
 #: The typed `contents` field that holds each datatype's values (grpc_service.proto's
 #: `InferTensorContents`). FP16 has none: it comes in `raw_input_contents` only.
@@ -41,23 +45,41 @@ CONTENTS_FIELD: dict[DType, str] = {
 SHM_PARAMS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 
 
-def _no_shm(params: Mapping[str, object], where: str) -> None:
-    if any(p in params for p in SHM_PARAMS):
-        raise RequestError(f"{where}: shared-memory tensors are not supported yet")
+def shm_params(params: Mapping[str, pb.InferParameter]) -> dict[str, Any] | None:
+    """A tensor's shared-memory parameters as plain values (None: it has none), for
+    `server.shm.tensor_params` to check as it checks HTTP's JSON ones."""
+    if "shared_memory_region" not in params:
+        return None
+    out: dict[str, Any] = {}
+    for k in SHM_PARAMS:
+        if k in params:
+            p = params[k]
+            which = p.WhichOneof("parameter_choice")
+            out[k] = None if which is None else getattr(p, which)
+    return out
 
 
-def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec) -> codec.RequestHead:
+def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec,
+                  shm: ShmAccess | None = None) -> codec.RequestHead:
     """Validate `msg` against `spec`: the request head the infer path takes
-    (`server.api.ServingApi.run`). Raises RequestError naming what is wrong."""
+    (`server.api.ServingApi.run`). `shm`: what the request may do with tensors in shared
+    memory (`server.codec.parse_request`'s). Raises RequestError naming what is wrong."""
     if "classification" in msg.parameters:
         raise RequestError("classification is not supported")
-    _no_shm(msg.parameters, "request")
+    if any(p in msg.parameters for p in SHM_PARAMS):
+        raise RequestError("request: shared-memory parameters belong to its inputs and "
+                           "outputs, not to the request")
     if not msg.inputs:
         raise RequestError("request has no inputs")
     raw = msg.raw_input_contents
-    if raw and len(raw) != len(msg.inputs):
+    # raw_input_contents holds one entry per input not in shared memory, in their order
+    in_shm = [shm_params(t.parameters) for t in msg.inputs]
+    wanted = sum(p is None for p in in_shm)
+    if raw and len(raw) != wanted:
         raise RequestError(f"raw_input_contents has {len(raw)} entries for "
-                           f"{len(msg.inputs)} inputs: give one per input, in their order")
+                           f"{wanted} inputs not in shared memory: give one per input, "
+                           "in their order")
+    k = 0
     specs = {t.name: t for t in spec.inputs}
     names: list[str] = []
     binary: dict[str, np.ndarray] = {}
@@ -68,15 +90,23 @@ def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec) -> codec.RequestHe
                                             names, batch)
         where = f"input {name!r}"
         batch = shape[0]
-        _no_shm(t.parameters, where)
         given = [f.name for f, _ in t.contents.ListFields()]
-        if raw:
+        params = in_shm[i]
+        if params is not None:
             if given:
                 raise RequestError(f"{where} has both contents.{given[0]} and "
-                                   f"raw_input_contents[{i}]: give one")
-            buf = raw[i]  # once: each access of a bytes field makes a new bytes object
+                                   "shared_memory_region: give one")
+            if shm is None:
+                raise codec._no_shm(where)
+            binary[name] = shm.input(params, dt, shape, where)
+        elif raw:
+            if given:
+                raise RequestError(f"{where} has both contents.{given[0]} and "
+                                   f"raw_input_contents[{k}]: give one")
+            buf = raw[k]  # once: each access of a bytes field makes a new bytes object
             count = codec.check_size(len(buf), dt, shape, where,
-                                     f"raw_input_contents[{i}] size")
+                                     f"raw_input_contents[{k}] size")
+            k += 1
             binary[name] = np.frombuffer(buf, codec.NP_DTYPES[dt], count).reshape(shape)
         else:
             field = CONTENTS_FIELD.get(dt)
@@ -94,12 +124,12 @@ def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec) -> codec.RequestHe
             values.append(codec.values_input(name, dt, shape, list(got)))
         names.append(name)
     codec.check_complete(spec, names)
-    wanted = []
+    asked = []
     for o in msg.outputs:
-        _no_shm(o.parameters, f"output {o.name!r}")
-        wanted.append({"name": o.name, "parameters": {
-            "classification": "classification" in o.parameters}})
-    outputs = codec.parse_outputs(wanted, spec)
+        asked.append({"name": o.name, "parameters": {
+            "classification": "classification" in o.parameters,
+            **(shm_params(o.parameters) or {})}})
+    outputs = codec.parse_outputs(asked, spec, shm)
     assert batch is not None
     return codec.RequestHead(msg.id or None, outputs, True, batch, b"", tuple(names), binary,
                              tuple(values))
@@ -113,8 +143,20 @@ def encode_response(model_name: str, request: codec.InferRequest,
     `raw_output_contents`, row-major little-endian."""
     resp = pb.ModelInferResponse(model_name=model_name, model_version=model_version,
                                  id=request.id or "")
+    targets = codec.shm_targets(request)
     for name, dt, arr, _ in codec.response_outputs(model_name, request, outputs, spec):
-        resp.outputs.add(name=name, datatype=dt.value, shape=arr.shape)
-        resp.raw_output_contents.append(
-            np.ascontiguousarray(arr, dtype=codec.NP_DTYPES[dt]).tobytes())
+        out = resp.outputs.add(name=name, datatype=dt.value, shape=arr.shape)
+        data = np.ascontiguousarray(arr, dtype=codec.NP_DTYPES[dt])
+        target = targets.get(name)
+        if target is None:
+            resp.raw_output_contents.append(data.tobytes())
+            continue
+        # In its region; an empty raw_output_contents entry keeps the others' places, as
+        # Triton's server leaves one (tritonclient finds an output's by its index).
+        for key, value in target.write(name, data).items():
+            if isinstance(value, str):
+                out.parameters[key].string_param = value
+            else:
+                out.parameters[key].int64_param = value
+        resp.raw_output_contents.append(b"")
     return resp

@@ -29,9 +29,12 @@ A refusal keeps its rule and its time to retry in the trailing metadata (`dstack
 request of the stream as it is done (they run side by side, as separate calls would), an
 error as the stream response's `error_message`, which tritonclient hands to the callback.
 
-Not yet: the system and CUDA shared-memory RPCs answer UNIMPLEMENTED (so do trace and log
-settings); with `server.frontends` > 1 the endpoint is served by the server's own process
-only, not by the front ends.
+The system and CUDA shared-memory RPCs and the shared-memory tensors of ModelInfer are
+`server.shm`'s, as over HTTP: off unless `server.allow_client_shm` (INVALID_ARGUMENT), for
+clients on this host only (PERMISSION_DENIED, HTTP's 403).
+
+Not yet: trace and log settings answer UNIMPLEMENTED; with `server.frontends` > 1 the
+endpoint is served by the server's own process only, not by the front ends.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from dstack.common.errors import DStackError, RequestError
 from server import grpc_codec
 from server.api import MODEL_VERSION, ServingApi, model_metadata
 from server.auth import has_token, is_open
+from server.shm import ShmRegistry
 
 log = logging.getLogger("dstack.server")
 
@@ -62,6 +66,7 @@ log = logging.getLogger("dstack.server")
 STATUS_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
@@ -168,15 +173,6 @@ def _internal(e: BaseException) -> str:
     return f"internal error: {type(e).__name__}: {e}"
 
 
-def _shm(kind: str) -> Handler:
-    async def handler(self: InferenceServicer, request: Any,
-                      context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            f"{kind} shared memory is not supported by this server yet")
-
-    return handler
-
-
 def _model_path(request: Any) -> str:
     return f"/v2/models/{request.name}"
 
@@ -275,9 +271,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(lambda r: f"/v2/models/{r.model_name}/infer")
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
-        return await self.infer(request)
+        return await self.infer(request, context.peer())
 
-    async def infer(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def infer(self, msg: pb.ModelInferRequest,
+                    peer: str | None) -> pb.ModelInferResponse:
         """One infer request through the HTTP route's path (`ServingApi`): admitted,
         refused by its batch before its values are converted, run, answered; a failure
         counted as HTTP counts it and raised (a refusal after its hold, as HTTP's)."""
@@ -290,7 +287,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         spec = api.spec_of(model, msg.model_version)  # NOT_FOUND: no label for it
         try:
             api.check_admission(model)
-            head = grpc_codec.parse_request(msg, spec)
+            head = grpc_codec.parse_request(msg, spec, api.shm.access(peer))
             req, outputs = await api.run(model, head, received)
             resp = grpc_codec.encode_response(model, req, outputs, spec, MODEL_VERSION)
         except DStackError as e:
@@ -319,7 +316,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 return
             try:
                 self.authorize(context, f"/v2/models/{msg.model_name}/infer")
-                resp = pb.ModelStreamInferResponse(infer_response=await self.infer(msg))
+                resp = pb.ModelStreamInferResponse(
+                    infer_response=await self.infer(msg, context.peer()))
             except Exception as e:  # noqa: BLE001 - every request of the stream is answered
                 if isinstance(e, DStackError):
                     message = e.message
@@ -353,14 +351,52 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             # answers are dropped.
             reader.cancel()
 
-    # ------------------------------------------------------------------ not yet
+    # ------------------------------------------------------------------ shared memory
 
-    SystemSharedMemoryStatus = _shm("system")
-    SystemSharedMemoryRegister = _shm("system")
-    SystemSharedMemoryUnregister = _shm("system")
-    CudaSharedMemoryStatus = _shm("CUDA")
-    CudaSharedMemoryRegister = _shm("CUDA")
-    CudaSharedMemoryUnregister = _shm("CUDA")
+    def registry(self, context: Any) -> ShmRegistry:
+        return self.api.shm.check(context.peer())
+
+    @_rpc(lambda r: "/v2/systemsharedmemory/status")
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Any) -> Any:
+        regions = self.registry(context).system_status(request.name or None)
+        Status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+        return pb.SystemSharedMemoryStatusResponse(
+            regions={r["name"]: Status(**r) for r in regions})
+
+    @_rpc(lambda r: f"/v2/systemsharedmemory/region/{r.name}/register")
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Any) -> Any:
+        self.registry(context).register_system(request.name, request.key, request.offset,
+                                               request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc(lambda r: "/v2/systemsharedmemory/unregister")
+    async def SystemSharedMemoryUnregister(
+            self, request: pb.SystemSharedMemoryUnregisterRequest, context: Any) -> Any:
+        self.registry(context).unregister_system(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc(lambda r: "/v2/cudasharedmemory/status")
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
+                                     context: Any) -> Any:
+        regions = self.registry(context).cuda_status(request.name or None)
+        Status = pb.CudaSharedMemoryStatusResponse.RegionStatus
+        return pb.CudaSharedMemoryStatusResponse(
+            regions={r["name"]: Status(**r) for r in regions})
+
+    @_rpc(lambda r: f"/v2/cudasharedmemory/region/{r.name}/register")
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
+                                       context: Any) -> Any:
+        self.registry(context).register_cuda(request.name, request.raw_handle,
+                                             request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_rpc(lambda r: "/v2/cudasharedmemory/unregister")
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context: Any) -> Any:
+        self.registry(context).unregister_cuda(request.name or None)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
 class GrpcEndpoint:

@@ -71,7 +71,8 @@ def build_app(cfg: DeployConfig, runtime: Startable | None = None, *,
             await rt.stop()
 
     app = create_app(runtime, max_body_bytes=cfg.server.max_body_bytes,
-                     lifespan=lifespan if start_runtime else None)
+                     lifespan=lifespan if start_runtime else None,
+                     allow_client_shm=cfg.server.allow_client_shm)
     return guard(app, runtime, cfg.server, auth_token)
 
 
@@ -347,18 +348,25 @@ def listen(host: str, port: int, cfg: ServerConfig, token: str | None) -> socket
 
 
 def serve(config_path: str | Path, host: str | None = None, port: int | None = None,
-          grpc_port: int | None = None) -> int:
+          grpc_port: int | None = None, allow_client_shm: bool | None = None) -> int:
     """Serve until SIGINT or SIGTERM. Returns the exit code: 0 after a clean shutdown,
     2 (with one line on stderr, a bad config file included) when serving could not start.
-    `host`, `port`, `grpc_port`: instead of the config's `server.host`, `port`,
-    `grpc_port`."""
+    `host`, `port`, `grpc_port`, `allow_client_shm`: instead of the config's
+    `server.host`, `port`, `grpc_port`, `allow_client_shm`."""
 
     def prepare() -> tuple[Runnable, socket.socket]:
         cfg = load_config(config_path)
+        if allow_client_shm is not None:
+            cfg = cfg.model_copy(update={"server": cfg.server.model_copy(
+                update={"allow_client_shm": allow_client_shm})})
         logging.basicConfig(level=cfg.server.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         host_cores = available_cores()
         cfg = _with_frontends(cfg, len(host_cores))
+        if cfg.server.allow_client_shm and cfg.server.frontends > 1:
+            log.warning("server.allow_client_shm: shared memory is served over gRPC only "
+                        "with server.frontends %d (set frontends: 1 for HTTP too)",
+                        cfg.server.frontends)
         at = host if host is not None else cfg.server.host
         token = load_token(cfg.server)
         steady_server_heap()

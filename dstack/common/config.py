@@ -57,6 +57,15 @@ class ServerConfig(_Strict):
     in the server's own process; 0 turns it off. Left at its default, a port another
     process holds turns gRPC off with a warning instead of failing the start (a second
     server on the host); set here or with `--grpc-port`, it must be free."""
+    allow_client_shm: bool = False
+    """Serve Triton's system and CUDA shared-memory extensions (`v2/systemsharedmemory`,
+    `v2/cudasharedmemory`, their gRPC RPCs, and tensors read from and written into
+    registered regions), as Triton's `--allow-client-shm`; also `dstack serve
+    --allow-client-shm`. Only clients on this host (loopback or a Unix socket) may use
+    them; others are answered 403 / PERMISSION_DENIED. Off: every such call is answered
+    400 / INVALID_ARGUMENT. Over HTTP it needs `frontends` 1 (a front end does not pass
+    its client's address on); gRPC is served by the server's own process either way
+    (docs/shared-memory.md)."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Largest request body accepted; larger ones get 413."""
     body_budget_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024

@@ -162,9 +162,9 @@ def test_errors_get_triton_status_codes_and_it_keeps_serving(
         assert _code(e) == "StatusCode.UNAVAILABLE"
     finally:
         served.backend.ready["double"] = True
-    with pytest.raises(InferenceServerException, match="shared memory is not supported") as e:
-        client.get_system_shared_memory_status()
-    assert _code(e) == "StatusCode.UNIMPLEMENTED"
+    with pytest.raises(InferenceServerException, match="allow_client_shm") as e:
+        client.get_system_shared_memory_status()  # off unless allowed
+    assert _code(e) == "StatusCode.INVALID_ARGUMENT"
     # still serving, and every failure of a known model counted as HTTP counts it
     got = client.infer("double", [_x(np.ones((1, 3), np.float32))]).as_numpy("y")
     np.testing.assert_array_equal(got, [[2, 2, 2]])

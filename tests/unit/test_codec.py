@@ -243,7 +243,14 @@ MALFORMED: list[tuple[str, bytes, int | str | None, str]] = [
         "shared memory",
         one_input(parameters={"shared_memory_region": "r"}),
         None,
-        "shared-memory tensors are not supported",
+        "has both shared_memory_region and data",
+    ),
+    (
+        "shared memory off",
+        one_input(data=None, parameters={"shared_memory_region": "r",
+                                         "shared_memory_byte_size": 192}),
+        None,
+        "shared-memory tensors are not enabled on this server",
     ),
 ]
 

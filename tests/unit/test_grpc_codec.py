@@ -103,8 +103,12 @@ def test_typed_contents_are_checked_as_json_data_is() -> None:
     (lambda r: r.inputs[0].contents.fp32_contents.append(1.0),
      "has both contents.fp32_contents and raw_input_contents[0]"),
     (lambda r: r.outputs.add(name="w"), "unknown output 'w'"),
+    (lambda r: (r.inputs[0].parameters["shared_memory_region"].MergeFrom(
+        pb.InferParameter(string_param="region")), r.raw_input_contents.pop(0)),
+     "input 'a': shared-memory tensors are not enabled on this server"),
     (lambda r: r.inputs[0].parameters["shared_memory_region"].MergeFrom(
-        pb.InferParameter(string_param="region")), "shared-memory tensors are not supported"),
+        pb.InferParameter(string_param="region")),
+     "raw_input_contents has 3 entries for 2 inputs not in shared memory"),
 ])
 def test_bad_requests_name_what_is_wrong(change, words) -> None:  # noqa: ANN001
     req = _request()

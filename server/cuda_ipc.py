@@ -1,0 +1,94 @@
+"""Opening another process's device memory from its `cudaIpcMemHandle_t` (Triton's CUDA
+shared-memory extension), through the CUDA runtime library torch loads (ctypes on
+libcudart: cudaIpcOpenMemHandle, cudaMemcpy, cudaIpcCloseMemHandle).
+
+`opener()` says whether this host can: without torch's CUDA or a device, it returns None
+and the reason, and the registry refuses every CUDA call with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from dstack.common.errors import RequestError
+
+_HOST_TO_DEVICE = 1  # cudaMemcpyKind
+_DEVICE_TO_HOST = 2
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class CudaRuntime:
+    """The few libcudart calls the extension needs; an error is a RequestError naming
+    the call and CUDA's own message."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self.lock = threading.Lock()  # cudaSetDevice is per thread: set it with each call
+
+    def check(self, rc: int, call: str) -> None:
+        if rc != 0:
+            why = self.lib.cudaGetErrorString(rc).decode(errors="replace")
+            raise RequestError(f"CUDA shared memory: {call} failed: {why} (error {rc})")
+
+    def __call__(self, handle: bytes, device_id: int, byte_size: int) -> IpcMapping:
+        """Open `handle` on `device_id` (`server.shm.CudaOpener`)."""
+        ptr = ctypes.c_void_p()
+        with self.lock:
+            self.check(self.lib.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
+            self.check(self.lib.cudaIpcOpenMemHandle(
+                ctypes.byref(ptr), _Handle(handle), ctypes.c_uint(_LAZY_PEER_ACCESS)),
+                "cudaIpcOpenMemHandle")
+        return IpcMapping(self, ptr.value or 0, device_id, byte_size)
+
+
+class IpcMapping:
+    """An opened handle (`server.shm.CudaMapping`): copies between it and the host."""
+
+    def __init__(self, rt: CudaRuntime, ptr: int, device_id: int, byte_size: int) -> None:
+        self.rt, self.ptr, self.device_id, self.byte_size = rt, ptr, device_id, byte_size
+
+    def _copy(self, dst: int, src: int, n: int, kind: int) -> None:
+        with self.rt.lock:
+            self.rt.check(self.rt.lib.cudaSetDevice(self.device_id), "cudaSetDevice")
+            self.rt.check(self.rt.lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src),
+                                                 ctypes.c_size_t(n), kind), "cudaMemcpy")
+
+    def read(self, offset: int, byte_size: int) -> np.ndarray:
+        out = np.empty(byte_size, np.uint8)
+        self._copy(out.ctypes.data, self.ptr + offset, byte_size, _DEVICE_TO_HOST)
+        return out
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        self._copy(self.ptr + offset, data.ctypes.data, data.nbytes, _HOST_TO_DEVICE)
+
+    def close(self) -> None:
+        if self.ptr:
+            with self.rt.lock:
+                self.rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr))
+            self.ptr = 0
+
+
+def opener() -> tuple[CudaRuntime | None, str]:
+    """(the CUDA runtime's opener, "") where torch sees a CUDA device, else (None, why)."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if not torch.cuda.is_available():
+        return None, "this server has no CUDA device (torch.cuda.is_available() is False)"
+    torch.cuda.init()  # loads libcudart: found again by its soname below
+    major = (torch.version.cuda or "12").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            return CudaRuntime(ctypes.CDLL(name)), ""
+        except OSError:
+            continue
+    return None, f"libcudart.so.{major} (the CUDA runtime torch uses) cannot be loaded"
