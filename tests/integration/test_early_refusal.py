@@ -274,9 +274,9 @@ def test_the_rest_of_a_refused_big_body_is_read_no_faster_than_the_drop_pace(
 ) -> None:
     """2 MB refused before its body (big: over DROP_AFTER_BYTES, here 1 MB), the drop pace
     2 MB/s: the next request on the connection waits for the 2 MB to be read, about 1 s."""
-    from server import connection
+    from server import httptools_protocol
 
-    monkeypatch.setattr(connection, "DROP_AFTER_BYTES", 1_000_000)
+    monkeypatch.setattr(httptools_protocol, "DROP_AFTER_BYTES", 1_000_000)
     addr, backend = served
     backend.refusal = refusal_error(RefusalReason.WORK_AHEAD, "model double: busy")
     length = 2_000_000
@@ -304,9 +304,9 @@ def test_a_chunked_body_over_the_limit_and_a_declared_one_after_it_are_each_answ
     for that read used to resume the parser in the middle of the second's drop: both read
     its body, and its tail was answered as a malformed request (400). Each gets its 413,
     and the valid request after them its 200."""
-    from server import connection
+    from server import httptools_protocol
 
-    monkeypatch.setattr(connection, "DROP_AFTER_BYTES", 1_000_000)  # both paced (2 MB/s)
+    monkeypatch.setattr(httptools_protocol, "DROP_AFTER_BYTES", 1_000_000)  # both paced
     addr, _ = served
     over = 4 * BODY + 1_000_000
     piece = b"x" * 65536
