@@ -47,8 +47,13 @@ lint: $(STAMP)
 # Load test a running server (make serve in another terminal): Locust headless for
 # DURATION, RATE requests/s in total at the peak of SHAPE (steady|steps|burst). Models and
 # SLOs come from the server; SLO_MS (one number or model=ms,...) or SLO_CONFIG (a
-# deployment file) override them. Reports under LOADTEST_OUT.
+# deployment file) override them. Reports under LOADTEST_OUT. PROTOCOL: http (binary
+# tensors), grpc (the gRPC endpoint at GRPC_URL, default HOST's name on port 8001) or shm
+# (HTTP with the tensors in system shared memory: a server on this host started with
+# --allow-client-shm).
 HOST ?= http://127.0.0.1:8000
+PROTOCOL ?= http
+GRPC_URL ?=
 DURATION ?= 30s
 USERS ?= 4
 RATE ?= 8
@@ -64,6 +69,7 @@ loadtest: $(STAMP)
 	$(VENV)/bin/locust -f loadtests/locustfile.py --headless \
 		--host $(HOST) -u $(USERS) -r $(USERS) -t $(DURATION) --stop-timeout 10 \
 		--rate $(RATE) --shape $(SHAPE) $(if $(SLO_CONFIG),--dstack-config $(SLO_CONFIG)) \
+		--protocol $(PROTOCOL) $(if $(GRPC_URL),--grpc-url $(GRPC_URL)) \
 		$(if $(SLO_MS),--slo-ms $(SLO_MS)) --outcomes-json $(LOADTEST_OUT)/outcomes.json \
 		--csv $(LOADTEST_OUT)/locust --html $(LOADTEST_OUT)/report.html \
 		--only-summary --exit-code-on-error 0 --loglevel WARNING

@@ -7,6 +7,11 @@ Each user sends one model's KServe v2 infer requests (each new user takes the mo
 the fewest users) with binary tensors, built and parsed by `server.codec`'s client
 functions (the wire protocol only: nothing else of the server is imported).
 
+`--protocol` (env `DSTACK_PROTOCOL`) says how (`loadtests.protocols`): `http` (binary
+tensors, the default), `grpc` (`tritonclient.grpc` at `--grpc-url`, default the host's
+name on port 8001; a refusal is UNAVAILABLE) or `shm` (HTTP, the tensors in each user's
+own system shared-memory regions: a server on this host with `server.allow_client_shm`).
+
 SLO accounting, per request:
 - answered in time (HTTP 200, well-formed, within the model's SLO): a success;
 - answered late: a failure named "SLO miss";
@@ -42,7 +47,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gevent
@@ -50,6 +55,7 @@ import numpy as np
 import yaml
 from locust import FastHttpUser, LoadTestShape, constant_throughput, events, task
 
+from loadtests.protocols import PROTOCOLS, GrpcSender, ShmSender, grpc_url
 from server import codec
 
 # KServe v2 datatype -> numpy dtype (client side; the server has its own table).
@@ -71,12 +77,15 @@ log = logging.getLogger("dstack.loadtest")
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One served model under test: its SLO and a ready one-item request."""
+    """One served model under test: its SLO and a ready one-item request (its binary
+    HTTP body, its input arrays and its outputs' metadata for the other protocols)."""
 
     model: str
     slo_ms: float
     body: bytes
     headers: dict[str, str]
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class DiscoveryError(Exception):
@@ -125,7 +134,8 @@ def discover(host: str, slo_spec: str | None, config: str | None) -> list[Target
     if missing := sorted(metas.keys() - slos.keys()):
         raise DiscoveryError(f"no SLO for model(s) {', '.join(missing)}: the server reports "
                              "none; pass --slo-ms or --dstack-config")
-    return [Target(name, slos[name], *request_body(meta)) for name, meta in metas.items()]
+    return [Target(name, slos[name], *request_body(meta), request_inputs(meta),
+                   meta.get("outputs", [])) for name, meta in metas.items()]
 
 
 def parse_slos(spec: str | None, config: str | None, models: list[str]) -> dict[str, float]:
@@ -150,8 +160,8 @@ def parse_slos(spec: str | None, config: str | None, models: list[str]) -> dict[
     return slos
 
 
-def request_body(meta: dict[str, Any], seed: int = 0) -> tuple[bytes, dict[str, str]]:
-    """A one-item binary infer request for the model described by `meta`."""
+def request_inputs(meta: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+    """One item of every input of the model described by `meta`."""
     rng = np.random.default_rng(seed)
     inputs = {}
     for t in meta["inputs"]:
@@ -161,7 +171,12 @@ def request_body(meta: dict[str, Any], seed: int = 0) -> tuple[bytes, dict[str, 
             inputs[t["name"]] = rng.random(shape).astype(dtype)
         else:
             inputs[t["name"]] = rng.integers(0, 2, shape).astype(dtype)
-    body, hlen = codec.encode_request(inputs)
+    return inputs
+
+
+def request_body(meta: dict[str, Any], seed: int = 0) -> tuple[bytes, dict[str, str]]:
+    """A one-item binary infer request for the model described by `meta`."""
+    body, hlen = codec.encode_request(request_inputs(meta, seed))
     headers = {"Content-Type": "application/octet-stream"}
     if hlen is not None:
         headers[codec.HEADER_LENGTH] = str(hlen)
@@ -191,6 +206,18 @@ def _options(parser: Any) -> None:
         default=os.environ.get("DSTACK_SHAPE", "steady"),
         choices=["steady", "steps", "burst"],
         help="load shape over time",
+    )
+    parser.add_argument(
+        "--protocol",
+        default=os.environ.get("DSTACK_PROTOCOL", "http"),
+        choices=list(PROTOCOLS),
+        help="http (binary tensors), grpc, or shm (HTTP with system shared memory)",
+    )
+    parser.add_argument(
+        "--grpc-url",
+        default=os.environ.get("DSTACK_GRPC_URL"),
+        help="the gRPC endpoint (host:port) for --protocol grpc; default the host's "
+        "name on port 8001",
     )
     parser.add_argument(
         "--outcomes-json",
@@ -273,6 +300,8 @@ class ModelUser(FastHttpUser):
     fewest users, so the users spread evenly over the models."""
 
     target: Target | None = None
+    grpc: GrpcSender | None = None
+    shm: ShmSender | None = None
 
     def wait_time(self) -> float:  # type: ignore[override]
         opts = self.environment.parsed_options
@@ -282,23 +311,43 @@ class ModelUser(FastHttpUser):
     def on_start(self) -> None:
         if not TARGETS:  # discovery failed and the run is stopping: send nothing
             return
-        self.target = min(TARGETS, key=lambda t: USERS_PER_MODEL[t.model])
-        USERS_PER_MODEL[self.target.model] += 1
+        t = self.target = min(TARGETS, key=lambda t: USERS_PER_MODEL[t.model])
+        USERS_PER_MODEL[t.model] += 1
+        opts = self.environment.parsed_options
+        protocol = getattr(opts, "protocol", "http")
+        if protocol == "grpc":
+            _grpc_under_gevent()
+            self.grpc = GrpcSender(grpc_url(self.host, opts.grpc_url), t.model, t.inputs)
+        elif protocol == "shm":
+            self.shm = ShmSender(self._post, t.model, t.inputs, t.outputs)
+
+    def _post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
+        resp = self.client.post(path, data=body, headers=headers, name="shm region")
+        return int(resp.status_code)
 
     def on_stop(self) -> None:
         if self.target is not None:
             USERS_PER_MODEL[self.target.model] -= 1
+        for sender in (self.grpc, self.shm):
+            if sender is not None:
+                sender.close()
+        self.grpc = self.shm = None
 
     @task
     def infer(self) -> None:
         t = self.target
         if t is None:
             return
+        if self.grpc is not None:
+            self._infer_grpc(t, self.grpc)
+            return
+        body, headers = (t.body, t.headers) if self.shm is None else (self.shm.body,
+                                                                      self.shm.headers)
         t0 = time.perf_counter()
         with self.client.post(
             f"/v2/models/{t.model}/infer",
-            data=t.body,
-            headers=t.headers,
+            data=body,
+            headers=headers,
             name=t.model,
             catch_response=True,
         ) as resp:
@@ -310,10 +359,17 @@ class ModelUser(FastHttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
                 _tally(t.model, "error")
             else:
-                try:
-                    codec.decode_response(resp.content, resp.headers.get(codec.HEADER_LENGTH))
-                except ValueError as e:
-                    resp.failure(f"bad response: {e}")
+                hlen = resp.headers.get(codec.HEADER_LENGTH)
+                if self.shm is not None:
+                    wrong = self.shm.check(resp.content or b"", hlen)
+                else:
+                    try:
+                        codec.decode_response(resp.content, hlen)
+                        wrong = None
+                    except ValueError as e:
+                        wrong = f"bad response: {e}"
+                if wrong is not None:
+                    resp.failure(wrong)
                     _tally(t.model, "error")
                     return
                 if elapsed_ms > t.slo_ms:
@@ -322,6 +378,39 @@ class ModelUser(FastHttpUser):
                 else:
                     resp.success()
                     _tally(t.model, "ok")
+
+
+    def _infer_grpc(self, t: Target, sender: GrpcSender) -> None:
+        t0 = time.perf_counter()
+        out = sender.send()
+        elapsed_ms = 1000 * (time.perf_counter() - t0)
+        error: Exception | None = None
+        if out.status in REFUSED_STATUS:
+            error, outcome = Exception("refused"), "refused"
+        elif out.status != 200:
+            error, outcome = Exception(out.error), "error"
+        elif elapsed_ms > t.slo_ms:
+            error, outcome = Exception("SLO miss"), "slo_miss"
+        else:
+            outcome = "ok"
+        _tally(t.model, outcome)
+        self.environment.events.request.fire(
+            request_type="grpc", name=t.model, response_time=elapsed_ms,
+            response_length=out.length, exception=error, context={})
+
+
+_GEVENT_GRPC = False
+
+
+def _grpc_under_gevent() -> None:
+    """grpcio's own threads would block Locust's gevent loop: make it cooperate, once,
+    before the first channel (only in a gRPC run: it changes grpcio for the process)."""
+    global _GEVENT_GRPC
+    if not _GEVENT_GRPC:
+        import grpc.experimental.gevent as grpc_gevent
+
+        grpc_gevent.init_gevent()
+        _GEVENT_GRPC = True
 
 
 class DStackShape(LoadTestShape):

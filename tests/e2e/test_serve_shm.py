@@ -10,6 +10,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import ROOT, free_port
 from tests.e2e.server_process import TINY, ServerProcess
 
 GRPC_ON = re.compile(r"gRPC \(KServe v2 / Triton\) on 127\.0\.0\.1:(\d+)")
@@ -190,3 +192,26 @@ def test_fuzzed_shm_fields_are_refused_cleanly(clients, regions, module_server) 
     inp.set_data_from_numpy(x)
     assert g.infer("tiny_cnn", [inp]).as_numpy("output").shape == (2, 10)
     assert module_server.proc.poll() is None
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+def test_make_loadtest_protocol(module_server, protocol, tmp_path: Path) -> None:  # noqa: ANN001
+    """`make loadtest PROTOCOL=grpc|shm`: every request answered through that protocol,
+    counted as the server counts them, and the users' regions gone afterwards."""
+    m = GRPC_ON.search(module_server.text())
+    assert m is not None
+    venv = Path(sys.executable).parents[1]
+    out = tmp_path / "loadtest"
+    before = set(Path("/dev/shm").glob("locust_*"))
+    run = subprocess.run(
+        ["make", "-s", "-o", f"{venv}/.installed-stamp", "loadtest",
+         f"HOST=http://{module_server.url}", f"PROTOCOL={protocol}",
+         f"GRPC_URL=127.0.0.1:{m.group(1)}", "DURATION=3s", "USERS=2", "RATE=10",
+         f"LOADTEST_OUT={out}", f"VENV={venv}"],
+        cwd=ROOT, env={**os.environ, "MAKEFLAGS": ""}, capture_output=True, text=True,
+        timeout=90)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    r = json.loads((out / "summary.json").read_text())["models"]["tiny_cnn"]
+    assert r["requests"] > 0 and r["error"] == 0, r
+    assert r["server"]["requests_match"], r
+    assert set(Path("/dev/shm").glob("locust_*")) <= before  # each user's regions removed
