@@ -7,7 +7,10 @@ path makes of a body, validated by the same functions (`codec.check_input`,
 the same requests with the same messages. `raw_input_contents` become read-only numpy
 views of the message's bytes (no copy); typed `contents` are checked and converted by
 `codec.decode_data`, as JSON `data` is. `encode_response` answers every output in
-`raw_output_contents`, as Triton does.
+`raw_output_contents`, as Triton does. A tensor in shared memory (`server.shm`) has its
+`shared_memory_*` parameters checked as HTTP's JSON ones are: an input is a view of its
+region and has no `raw_input_contents` entry; an output is written into its region and
+keeps an empty entry in `raw_output_contents`.
 
 The messages are the ones tritonclient ships, generated from Triton's proto
 (`tritonclient.grpc.service_pb2`): the same wire format as Triton's server.
