@@ -41,10 +41,12 @@ class CudaRuntime:
     def __call__(self, handle: bytes, device_id: int, byte_size: int) -> IpcMapping:
         """Open `handle` on `device_id` (`server.shm.CudaOpener`)."""
         ptr = ctypes.c_void_p()
+        raw = _Handle()
+        ctypes.memmove(ctypes.addressof(raw), handle, ctypes.sizeof(raw))  # NULs and all
         with self.lock:
             self.check(self.lib.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
             self.check(self.lib.cudaIpcOpenMemHandle(
-                ctypes.byref(ptr), _Handle(handle), ctypes.c_uint(_LAZY_PEER_ACCESS)),
+                ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_PEER_ACCESS)),
                 "cudaIpcOpenMemHandle")
         return IpcMapping(self, ptr.value or 0, device_id, byte_size)
 
@@ -76,19 +78,40 @@ class IpcMapping:
             self.ptr = 0
 
 
-def opener() -> tuple[CudaRuntime | None, str]:
-    """(the CUDA runtime's opener, "") where torch sees a CUDA device, else (None, why)."""
+class LazyCudaRuntime:
+    """The opener `opener()` gives: libcudart is loaded, and this process's CUDA context
+    made, at the first registration, not when the server starts (a server that never
+    sees a CUDA region holds no context of its own beside its workers')."""
+
+    def __init__(self, cuda_major: str) -> None:
+        self.major = cuda_major
+        self.rt: CudaRuntime | None = None
+
+    def __call__(self, handle: bytes, device_id: int, byte_size: int) -> IpcMapping:
+        if self.rt is None:
+            self.rt = _load(self.major)
+        return self.rt(handle, device_id, byte_size)
+
+
+def _load(major: str) -> CudaRuntime:
+    import torch
+
+    torch.cuda.init()  # loads libcudart: found again by its soname below
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            return CudaRuntime(ctypes.CDLL(name))
+        except OSError:
+            continue
+    raise RequestError(f"CUDA shared memory: libcudart.so.{major} (the CUDA runtime torch "
+                       "uses) cannot be loaded")
+
+
+def opener() -> tuple[LazyCudaRuntime | None, str]:
+    """(the CUDA IPC opener, "") where torch sees a CUDA device, else (None, why)."""
     try:
         import torch
     except ImportError:
         return None, "torch is not installed"
     if not torch.cuda.is_available():
         return None, "this server has no CUDA device (torch.cuda.is_available() is False)"
-    torch.cuda.init()  # loads libcudart: found again by its soname below
-    major = (torch.version.cuda or "12").split(".")[0]
-    for name in (f"libcudart.so.{major}", "libcudart.so"):
-        try:
-            return CudaRuntime(ctypes.CDLL(name)), ""
-        except OSError:
-            continue
-    return None, f"libcudart.so.{major} (the CUDA runtime torch uses) cannot be loaded"
+    return LazyCudaRuntime((torch.version.cuda or "12").split(".")[0]), ""

@@ -4,10 +4,12 @@ paths with a fake handle opener (no GPU needed)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from collections.abc import Iterator
 from multiprocessing import shared_memory
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 from dstack.common.errors import DStackError, RequestError
 from dstack.common.types import DType, ModelSpec, TensorSpec
 from server import codec, grpc_codec
+from server.cuda_ipc import CudaRuntime
 from server.shm import (
     CUDA_IPC_HANDLE_BYTES,
     Forbidden,
@@ -312,3 +315,49 @@ def test_cuda_raw_handle_of_an_http_body() -> None:
         raw_handle({"raw_handle": "abc"})
     with pytest.raises(RequestError, match="raw_handle.b64 is not base64"):
         raw_handle({"raw_handle": {"b64": "!!!"}})
+
+
+class FakeCudart:
+    """libcudart's few calls, in Python: device memory is a host buffer."""
+
+    def __init__(self, open_rc: int = 0) -> None:
+        self.mem = (ctypes.c_uint8 * 256)()
+        self.open_rc = open_rc
+        self.handles: list[bytes] = []
+        self.closed: list[int] = []
+
+        def error_string(rc: int) -> bytes:
+            return b"invalid resource handle"
+
+        self.cudaGetErrorString = error_string
+
+    def cudaSetDevice(self, device: int) -> int:  # noqa: N802 - libcudart's names
+        return 0
+
+    def cudaIpcOpenMemHandle(self, ptr: Any, handle: Any, flags: Any) -> int:  # noqa: N802
+        self.handles.append(bytes(handle))
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_void_p))[0] = ctypes.addressof(self.mem)
+        return self.open_rc
+
+    def cudaMemcpy(self, dst: Any, src: Any, n: Any, kind: int) -> int:  # noqa: N802
+        ctypes.memmove(dst.value, src.value, n.value)
+        return 0
+
+    def cudaIpcCloseMemHandle(self, ptr: Any) -> int:  # noqa: N802
+        self.closed.append(ptr.value)
+        return 0
+
+
+def test_cuda_runtime_calls_with_a_fake_libcudart() -> None:
+    lib = FakeCudart()
+    handle = bytes([0, 7] * 32)  # NULs inside: passed whole
+    mapping = CudaRuntime(lib)(handle, 0, 256)  # type: ignore[arg-type]
+    assert lib.handles == [handle]
+    mapping.write(16, np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(mapping.read(16, 16).view(np.float32), np.arange(4))
+    mapping.close()
+    mapping.close()  # once only
+    assert lib.closed == [ctypes.addressof(lib.mem)]
+    with pytest.raises(RequestError, match="cudaIpcOpenMemHandle failed: invalid resource "
+                       "handle \\(error 400\\)"):
+        CudaRuntime(FakeCudart(open_rc=400))(handle, 0, 256)  # type: ignore[arg-type]
