@@ -12,6 +12,8 @@ COMPILED = [
     "dstack/policies/latency.py",
     "dstack/policies/contract.py",
     "dstack/policies/baselines.py",
+    "dstack/runtime/core_state.py",
+    "dstack/runtime/lanes.py",
     "dstack/runtime/dispatch.py",
     "dstack/simulate/engine.py",
 ]

@@ -15,7 +15,7 @@ Driving it:
   worker (`Policy.guests`: the `dstack` policy's worker of a model on another lane) has
   no queue: a `Launch` with `on` set takes from its host's queue onto it, and admission
   lets in a request its own worker would finish late when idle guests can take the
-  queue in time (`_guest_finish`).
+  queue in time (`lanes.guest_finish`).
 - `step(now)` -> `Step`: batches to launch now (their tickets taken off the queues),
   tickets refused because they can no longer make their deadline, failures (a policy that
   raised: its queued tickets, with the reason), and when to step again at the latest.
@@ -23,117 +23,56 @@ Driving it:
   model's latency estimate and the policy. `fail(batch, now)` -> the same tickets, to be
   failed (a worker that died, returned the wrong number of rows, ...).
 
-The refusal rules (every refusal names one):
+- `refuse_early(model, n, now, since_s, ready_s, hold)` asks the admission rules without
+  queuing (the server, before reading a request's body). `ready_s`: how long from now the
+  request cannot be queued (its body still to parse). With `hold=True` a request let
+  through counts as queued, one item, until `release(model)` or until its SLO has gone by.
 
-- ``queue_full``: the model's queue already holds `max_queue` items.
-- ``unplanned``: the policy does not serve this model (the plan could not fit it; its
-  reason is in the message).
-- ``work_ahead``: at admission, a *trusted* latency estimate says that the work already
-  queued for the model (in batches of the policy's batch cap, after the running batch),
-  and its lane mates' work that goes first (below), plus the request's own batch ends
-  after its deadline; with no estimate that may refuse (not trusted yet, a probe under
-  way), when the request could not even be queued before its deadline (`ready_s`,
-  below), or its lane mates' work alone would take it past its deadline.
-- ``expired``: while queued, the request can no longer finish by its deadline even if its
-  batch started now (one item's estimate; only the deadline itself while the estimate is
-  not trusted); or, at launch, the batch it would join would end after its deadline.
+The refusal rules, in the order admission applies them (each refusal names its reason; a
+line's test, in tests/unit/test_dispatch_core.py unless named, shows it):
 
-A model the policy passes over is refused at admission, not left to expire. Each request
-admitted to it would have its body read and wait its whole SLO, only to be refused
-`expired` (the low tier of a lane that its other models keep busy under overload: on one
-CPU core, most of resnet18's requests; measured in docs/decisions.md). So once one of
-its requests has expired in the queue while none of its batches ran, and it has started
-no batch for `probe_s` (or its SLO, if longer), ``work_ahead`` refuses its requests, all
-but one each `probe_s`; the first batch it starts lifts that. (After one SLO without a
-batch instead, models that take turns on the device in rounds longer than their SLO were
-refused requests that their next turn would have served: the `temporal` baseline lost a
-fifth of its goodput in `make bench-policies`.)
+1. ``queue_full``: the queue (held requests included) already holds `max_queue` items.
+   `test_a_full_queue_refuses_with_its_rule`,
+   `test_a_request_let_through_with_a_hold_counts_as_queued_until_released_or_lapsed`.
+2. ``unplanned``: the policy does not serve the model; the message says why.
+   `test_unserved_models_are_refused_and_the_others_served`.
+3. ``work_ahead``, passed over: a request of it expired queued while it ran no batch, and
+   it has started none for `probe_s` (or its SLO): one request a `probe_s` goes through.
+   `test_a_model_the_policy_passes_over_is_refused_at_admission_not_left_to_expire`.
+4. ``work_ahead``, behind a probe: while a probe's batch runs, one batch may queue behind
+   it, no more. `test_while_a_probes_batch_runs_one_batch_may_queue_behind_it_no_more`.
+5. ``work_ahead``, no estimate to go by (not trusted yet, a probe under way or due): only
+   when it cannot be queued before its deadline, or its lane mates' work that goes first
+   alone takes it past it.
+   `test_with_no_estimate_to_go_by_a_request_that_cannot_queue_in_time_is_refused`,
+   `test_a_request_its_lane_mates_would_keep_past_its_deadline_is_refused_at_admission`.
+6. ``work_ahead``, lane load: the higher tiers of its lane take LOAD_MAX of it or more.
+   `test_a_low_tier_request_is_refused_while_its_lane_has_no_time_for_it`.
+7. ``work_ahead``, estimated finish past the deadline: the running batch, the full batches
+   ahead, its lane mates' work that goes first (`lanes.lane_start`), its own batch as the
+   arrivals before its launch fill it, each batch's `overhead_s` and its answer's
+   `delivery_s`; behind work on the estimate's slow end, scaled by the model's `margin`.
+   `test_a_request_behind_others_is_admitted_on_the_slow_end`,
+   `test_admission_counts_the_requests_that_will_join_its_batch_before_it_launches`,
+   `test_admission_counts_what_a_batch_costs_beyond_its_compute`,
+   `test_behind_a_full_queue_admission_keeps_misses_rare_when_batches_vary`.
+   Let in all the same: a slope probe (no batch of more than one item for `probe_s`:
+   `test_a_latency_line_gone_steep_cannot_hold_a_model_to_batches_of_one`), and a request
+   idle guest workers would finish in time (tests/unit/test_borrow_lanes.py). An
+   estimate that refused and has seen no batch for `probe_s` lets one probe through
+   (`test_an_estimate_that_refuses_is_reprobed_within_the_probe_time`).
+8. ``expired``, queued: it can no longer finish by its deadline even if its batch started
+   now. `test_a_queued_request_that_can_no_longer_make_it_is_refused_as_expired`.
+9. ``expired``, at launch: the batch it would join would end after its deadline.
+   `test_a_batch_drops_the_heads_it_would_answer_late`.
 
-Admission counts a lane's other models too (`Policy.lane_mates`: models that run one
-batch at a time with this one, as the `dstack` policy's lanes do, and `temporal`'s one
-lane, the whole device; the concurrent baselines declare none). A request waits for their
-running batch; for all the queued work of a higher tier, and the share of the device that
-tier's admitted items keep taking while it waits (`load`: the request starts after a busy
-period, work / (1 - load), in a fluid model; at LOAD_MAX or more it is refused outright);
-and, for an earliest-deadline peer, its queued requests due before this one and those that
-arrive while they would still be due before it. Counting only the model's own queue, a
-request of resnet18 sharing one core's lane with mobilenet_v3_small (SLOs 250 and 60 ms)
-under overload was admitted to an empty queue and then waited while every mobilenet
-request due before it ran: about 500 of them a 30-second window were refused `expired`
-after 216 ms, and those set the p99 of all refusals (measured in docs/decisions.md).
+Why each rule is as it is, with what was measured: `dstack.runtime.core_state`'s docstring.
+An estimate is *trusted* once it has seen `TRUST_AFTER` real batches; expiry in the queue
+and admission to an idle model read its fast end (`LinearLatency.refusal_s`), so a model
+that goes idle always gets its next request through.
 
-Expiry in the queue reads the estimate's fast end (`LinearLatency.refusal_s`: what recent
-batches took at their quickest, rising only slowly), and so does admission of a request
-to an idle model with nothing queued: it is refused only when even that says it cannot
-make it, so contention cannot feed on itself through refusals and retries, and a model
-that goes idle always gets its next request through. A request that would wait behind
-work (queued, or a running batch) is admitted on the estimate's *slow end*
-(`LinearLatency.high_s`: the mean times a running 90th percentile of how much longer than
-the mean batches run) for all of it: the running batch's end, the batches ahead, its own
-batch; and that finish is scaled by the model's `margin`. Under overload the queue stays
-full up to the last request admission lets in, so every request admitted is one at the
-margin: on the mean about half of them were refused later, as `expired`, after waiting
-most of their SLO, or answered late (measured in docs/decisions.md); on the slow end of
-one batch, still one in 20 to 50 (it misses if any batch before it runs long). The
-`margin` is a running quantile fed by the outcome of every request admitted behind work:
-it grows on each one answered late or refused after waiting, and shrinks slowly on each
-answered in time, so that MISS_Q of them miss. The trim at launch reads
-the mean: that batch runs now, and its likeliest length decides which heads it would
-answer late. Every batch end the core predicts adds the model's `overhead_s`: the mean of
-what recent batches took from launch to `complete` beyond the compute their worker timed
-(the hand-over there and back; 1.5-4.5 ms a batch on a busy 2-core machine, against 10-30
-ms batches; 0 in the simulator). The end of a request's own batch also adds `delivery_s`,
-what its answer then takes to reach the server's sender (`observe_delivery`), and its
-batch is counted as it will be when it launches: the requests that arrive before then
-join it, up to the cap (a rate of admitted items per model; under overload every batch is
-full, and a request admitted on its batch as it was at arrival was refused at launch, or
-answered late, whenever its batch filled up). A request's deadline counts from when the
-server received it (`admit`'s `since_s`), not from when its body had been read.
-
-`refuse_early(model, n, now, since_s, ready_s)` asks the admission rules without queuing
-(the server asks it before reading a request's body, with n = 1: a refusal then costs no
-body; again with the batch size once the header is parsed; and once more after the first
-piece of a big JSON body). `ready_s` is how long from now the request cannot be queued:
-the request joins its batch no earlier than then, and where work is ahead of it, a batch
-that starts before then goes without it (the requests queued past the full batches, at
-the likeliest length of their batch), so it joins a later one. The server passes the time
-a big JSON body's parse will take yet, or a few times its event loop's lag, whichever is
-longer (`dstack.runtime.serving.LAG_TURNS`). With `hold=True` (the server's check of a
-header) a request it lets through counts as queued, one item, until `release(model)`
-(when it comes back with its body read) or until its SLO has gone by: without that, requests
-whose headers passed while others' bodies were still being read were refused only once
-their own bodies had been read too (120 a second at 4x load on one core, against 2 with
-holds; measured in docs/decisions.md).
-
-An estimate is *trusted* once it has seen `TRUST_AFTER` real batches. An estimate that
-is refusing requests is re-measured: when the model has refused by estimate (its own
-batches' time: a refusal for its lane mates' work alone does not count, their batches
-measure it; nor does a request that expired queued while the model ran no batch of its
-own, waiting on its lane mates) and not finished a batch for `probe_s`, the next request
-is admitted as a *probe* whatever the estimate says, and while that probe's batch runs
-the estimate refuses nothing that would go in the batch after it: one batch's worth (the
-policy's batch cap) may queue behind the probe, no more. So a stale or contended
-estimate cannot shut a model out for longer than about `probe_s`. (Without that bound,
-every request that came while a probe's batch ran was admitted: up to 43 items at once
-behind a resnet18 probe in a lane under load, nearly all of which expired, 237 of the
-255 `expired` refusals of one run; docs/decisions.md. And with probes on its lane
-mates' account, resnet18 sharing one core with mobilenet_v3_small had a request about
-every two seconds admitted to its empty queue and answered late: 48 in a run of 1x, 2x
-and 4x windows, against 24 without them.)
-While the probe waits in the queue (behind its lane mates' work), other requests are
-judged as always: before, every request was admitted while it waited, and under overload
-all of them expired with it. A probe that expires in the queue is over; one request a
-`probe_s` at most goes through as a probe, or as the one let through while passed over.
-Nor can it hold a model to batches of one: a model that refuses a request for waiting
-behind work, and has launched no batch of more than one item for `probe_s`, admits it
-whatever the estimate says, and then the requests that would join its batch, up to the
-policy's batch cap (when that is more than one), until that batch launches. That batch
-runs untrimmed and re-measures the estimate as a probe's does. (Batches of one measure a
-batch of one only: a line gone steep, say 8 ms for one item and 86 ms for two, refused
-everything behind work under overload and kept the model at batches of one, half its
-goodput, for minutes; measured in docs/decisions.md.)
-
-Written in Cython's pure-Python mode (setup.py compiles it; uncompiled it runs as it reads,
+Written in Cython's pure-Python mode with `core_state.py` and `lanes.py` (setup.py compiles
+the three; their .pxd files give the core their C layout; uncompiled they run as they read,
 with the same results, tests/unit/test_compiled.py): the simulator drives it millions of
 times an hour, so per-model state is a typed class, the objects made per request and per
 step are extension types, and a queue's head is kept in typed fields.
@@ -143,13 +82,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 
 import cython
 
 from dstack.policies.contract import Policy, Precedence, QueueView
 from dstack.policies.latency import LinearLatency
+from dstack.runtime.core_state import CoreModel, RefusalReason
+from dstack.runtime.lanes import LOAD_MAX
+
+if cython.compiled:
+    from cython.cimports.dstack.runtime.core_state import (
+        Batch,
+        Counters,
+        Failure,
+        Refusal,
+        Step,
+        Ticket,
+        _Model,
+    )
+    from cython.cimports.dstack.runtime.lanes import guest_finish, lane_start, mates_busy
+else:
+    from dstack.runtime.core_state import Batch, Counters, Failure, Refusal, Step, Ticket, _Model
+    from dstack.runtime.lanes import guest_finish, lane_start, mates_busy
+if cython.compiled:  # a cimported type is no attribute of the module: these are its imports
+    import dstack.runtime.core_state as _state
+
+    globals().update({name: getattr(_state, name) for name in (
+        "Batch", "Counters", "Failure", "Refusal", "Step", "Ticket")})
+
+__all__ = ["Batch", "CoreModel", "Counters", "DispatchCore", "Failure", "PROBE_S", "Refusal",
+           "RefusalReason", "Step", "Ticket"]
 
 #: Seconds after which a model that refuses by estimate gets a probe request through.
 PROBE_S = 1.0
@@ -159,322 +121,10 @@ OVERHEAD_ALPHA = cython.declare(cython.double, 0.1)
 #: tracked by steps of DELIVERY_STEP_S (up DELIVERY_Q of it, down the rest).
 DELIVERY_Q = cython.declare(cython.double, 0.9)
 DELIVERY_STEP_S = cython.declare(cython.double, 0.0002)
-#: Time constant (s) of a model's admitted-items rate, which admission reads to size the
-#: batch a request will join (later arrivals fill it up to the cap before it launches).
-RATE_TAU_S = cython.declare(cython.double, 1.0)
-#: Admission behind work scales its predicted finish by a model's `margin`, kept so that
-#: this share of the requests admitted that way miss (answered late or refused after
-#: waiting): up MARGIN_STEP (relative) on a miss, down MARGIN_STEP * MISS_Q / (1 - MISS_Q)
-#: on a hit, between 1 and MARGIN_MAX.
-MISS_Q = cython.declare(cython.double, 0.005)
-MARGIN_STEP = cython.declare(cython.double, 0.01)
-MARGIN_MAX = cython.declare(cython.double, 1.5)
-#: A model whose lane's higher tiers take this share of the device or more (their
-#: admitted items at their estimates) is refused at admission: its turn would not come.
-LOAD_MAX = cython.declare(cython.double, 0.95)
 
 _INF = cython.declare(cython.double, math.inf)
-_RUNNING = cython.declare(cython.int, Precedence.RUNNING.value)
 _ALL = cython.declare(cython.int, Precedence.ALL.value)
 _UNSERVED_KEY = cython.declare(cython.longlong, 1 << 60)
-#: A queue's taken slots are dropped once this many have piled up at its front (_Model).
-_COMPACT_AT = cython.declare(cython.Py_ssize_t, 256)
-
-
-class RefusalReason(StrEnum):
-    QUEUE_FULL = "queue_full"
-    UNPLANNED = "unplanned"
-    WORK_AHEAD = "work_ahead"
-    EXPIRED = "expired"
-
-
-@dataclass(frozen=True, slots=True)
-class CoreModel:
-    """What the core needs of a served model (seconds)."""
-
-    name: str
-    slo_s: float
-    max_batch: int
-    max_queue: int
-
-
-# The objects made per request and per step (Ticket, Refusal, Batch, Step, Counters) are
-# Cython extension types when compiled: a C struct to make and read, where a Python
-# dataclass runs an interpreted __init__ (frozen ones one object.__setattr__ per field).
-# Dataclasses either way, with the same fields, equality and repr.
-
-
-@cython.dataclasses.dataclass(eq=False)
-@cython.cclass
-class Ticket:
-    """One admitted request: `n` items of model `model` (its index in the core)."""
-
-    model: cython.int
-    n: cython.longlong
-    arrival: cython.double
-    deadline: cython.double
-    payload: object = None
-    behind: cython.bint = False  # admitted behind work, on the `margin` (`_Model`)
-
-
-@cython.dataclasses.dataclass(frozen=True)
-@cython.cclass
-class Refusal:
-    ticket: Ticket
-    reason: object  # RefusalReason
-    message: str
-    # How long from now the same refusal stands for the model's next requests (s): its
-    # predicted finish was this far past its deadline, and a later request's deadline is
-    # as much later while the work ahead of it finishes no sooner than predicted. 0 where
-    # no finish was predicted (`server.frontends` refuses within it without asking).
-    stands_s: cython.double = 0.0
-
-
-@cython.dataclasses.dataclass(frozen=True)
-@cython.cclass
-class Batch:
-    """A launched batch: its tickets in queue order, `n` items in all."""
-
-    model: str
-    index: cython.int
-    tickets: tuple  # of Ticket
-    n: cython.longlong
-    started: cython.double
-    reuse: cython.bint
-
-
-@cython.dataclasses.dataclass(frozen=True)
-@cython.cclass
-class Failure:
-    """Tickets taken off the queues because the dispatch path itself failed."""
-
-    tickets: tuple  # of Ticket
-    message: str
-    error: object = None  # the BaseException, if any
-
-
-@cython.dataclasses.dataclass(frozen=True)
-@cython.cclass
-class Step:
-    launches: tuple = ()  # of Batch
-    refusals: tuple = ()  # of Refusal
-    failures: tuple = ()  # of Failure
-    wake_at: object = None  # float | None
-
-
-def _no_refusals() -> dict:
-    return {r.value: 0 for r in RefusalReason}
-
-
-@cython.dataclasses.dataclass
-@cython.cclass
-class Counters:
-    """Per model, since start-up."""
-
-    arrived: cython.longlong = 0
-    admitted: cython.longlong = 0
-    refused: dict = cython.dataclasses.field(default_factory=_no_refusals)  # per rule
-    served: cython.longlong = 0
-    within_slo: cython.longlong = 0
-    failed: cython.longlong = 0
-    batches: cython.longlong = 0
-    items: cython.longlong = 0
-    queue_s: cython.double = 0.0
-    compute_s: cython.double = 0.0
-
-    @property
-    def refused_total(self) -> int:
-        return sum(self.refused.values())
-
-
-@cython.cclass
-class _Model:
-    """One model's queue and state (internal).
-
-    The queue is a list read from `head` on (taken slots are set to None and dropped in
-    bulk): appending to and reading a list compiles to C, where a deque's methods are
-    Python calls. Its oldest ticket's arrival and deadline are copied into typed fields,
-    which every step reads for every model."""
-
-    spec: object  # CoreModel
-    name: str
-    slo_s: cython.double
-    max_batch: cython.longlong
-    max_queue: cython.longlong  # 64-bit, as every count here: any configured bound fits
-    queue: list  # tickets, FIFO from `head`
-    head: cython.Py_ssize_t
-    qlen: cython.Py_ssize_t  # tickets queued
-    items: cython.longlong  # items queued
-    arrived: cython.longlong  # items ever queued (the policy's QueueView.arrived)
-    head_arrival: cython.double  # of the oldest queued ticket (while qlen > 0)
-    head_deadline: cython.double
-    running = cython.declare(cython.bint, visibility="public")
-    run_until: cython.double  # when the running batch should end (the estimate's fast end)
-    run_high_until: cython.double  # ... and by its slow end (read with work queued ahead)
-    last_done: cython.double  # when its last batch ended (or serving began)
-    est_refused: cython.bint  # it has refused by estimate since its last finished batch
-    probing: cython.bint  # a probe is queued or running (its batch is not trimmed)
-    # When the last probe was admitted: a request let through whatever the estimate
-    # says, or while the model is passed over (one a `probe_s` for both).
-    probed_at: cython.double
-    probe_deadline: cython.double  # ... and its deadline (which marks it in the queue)
-    multi_at: cython.double  # when it last launched a batch of more than one item
-    joinable: cython.bint  # a slope probe is queued: requests may join its batch
-    slope_probe: cython.bint  # the running batch is a slope probe's (re-measures)
-    launched_at: cython.double  # when it last launched a batch (or serving began)
-    passed_over: cython.bint  # a request expired queued, no batch running, since then
-    counters: Counters
-    estimate: object  # LinearLatency | None
-    # The estimate's `trusted` and one item's trusted estimate (0 while not trusted),
-    # refreshed by `learned` whenever the core changes the estimate (it is the only one
-    # that does): admission, the steps and launches read them for every request.
-    trusted: cython.bint
-    one_s: cython.double
-    # What a batch costs beyond the compute its worker timed (the estimate's unit): the
-    # hand-over to the worker and back, from launch to `complete`. A mean of recent
-    # batches; added to every batch whose end the core predicts (0 in the simulator).
-    overhead_s: cython.double
-    # What an answer takes from its batch's end to its sender (the server's event loop
-    # resuming the request, `observe_delivery`): a running 90th percentile, added to the
-    # end of a request's own batch wherever the core predicts one (0 in the simulator).
-    delivery_s: cython.double
-    # Items admitted per second, decayed with RATE_TAU_S, as of `rate_at`: how fast later
-    # requests join a batch that has not launched yet (refused ones never count, so a
-    # storm of refusals and retries cannot inflate it). The decayed count of
-    # `dstack.policies.rate_batching.ArrivalRate`, kept here as typed fields and updated
-    # at each admission: that class reads a cumulative count when a policy looks, and
-    # admission would look only now and then (its first look would take all the history
-    # as arriving at once).
-    rate: cython.double
-    rate_at: cython.double
-    # How much longer than the estimates say a request admitted behind work is taken to
-    # need (its predicted finish is scaled by it): a running (1 - MISS_Q) quantile, fed
-    # by the outcome of every such request (`outcome`). The slow end is the 90th
-    # percentile of one batch; a request admitted at the margin of a full queue misses
-    # if any of the batches before it, or its own, runs long.
-    margin: cython.double
-    unserved: object  # why the policy does not serve it (str), or None
-    # Requests let through by `refuse_early(hold=True)` (the server's check of a header)
-    # and not yet back (`release`) to be admitted: when each hold lapses (its SLO after
-    # it was taken), oldest first. Admission counts them as queued, one item each.
-    holds: list
-    # Its lane mates (`Policy.lane_mates`): their positions, and for each which of its
-    # work goes before a batch of this model (a `Precedence`).
-    mates: list
-    mate_kinds: list
-    # A guest worker (`Policy.guests`): the position of the model whose queue it takes
-    # batches from; it has no queue of its own. -1: a model's own worker.
-    host: cython.Py_ssize_t
-    guests: list  # a model's guest workers' positions
-    dirty: cython.bint  # its queue view must be made again
-
-    def __init__(self, spec: CoreModel, estimate: LinearLatency | None) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.slo_s = spec.slo_s
-        self.max_batch = spec.max_batch
-        self.max_queue = spec.max_queue
-        self.queue = []
-        self.head = 0
-        self.qlen = 0
-        self.items = 0
-        self.arrived = 0
-        self.head_arrival = 0.0
-        self.head_deadline = 0.0
-        self.running = False
-        self.run_until = 0.0
-        self.run_high_until = 0.0
-        self.last_done = 0.0
-        self.est_refused = False
-        self.probing = False
-        self.probed_at = -_INF
-        self.probe_deadline = -_INF
-        self.multi_at = 0.0
-        self.joinable = False
-        self.slope_probe = False
-        self.launched_at = 0.0
-        self.passed_over = False
-        self.counters = Counters()
-        self.estimate = estimate
-        self.unserved = None
-        self.holds = []
-        self.mates = []
-        self.mate_kinds = []
-        self.host = -1
-        self.guests = []
-        self.dirty = True
-        self.overhead_s = 0.0
-        self.delivery_s = 0.0
-        self.rate = 0.0
-        self.rate_at = 0.0
-        self.margin = 1.0
-        self.learned()
-
-    @cython.ccall
-    def learned(self) -> cython.void:
-        """The estimate changed (or was set)."""
-        est = self.estimate
-        self.trusted = est is not None and est.trusted
-        self.one_s = (est.refusal_s(1) + self.overhead_s + self.delivery_s if self.trusted
-                      else 0.0)
-
-    @cython.cfunc
-    def rate_now(self, now: cython.double) -> cython.double:
-        """Items admitted per second lately (see `rate`)."""
-        if now <= self.rate_at:
-            return self.rate
-        return self.rate * math.exp((self.rate_at - now) / RATE_TAU_S)
-
-    @cython.cfunc
-    def outcome(self, t: Ticket, missed: cython.bint) -> cython.void:
-        """Ticket `t` was answered (late: `missed`) or refused after it was admitted."""
-        if not t.behind:
-            return
-        if missed:
-            self.margin = min(MARGIN_MAX, self.margin * (1.0 + MARGIN_STEP))
-        else:
-            self.margin = max(1.0, self.margin * (1.0 - MARGIN_STEP * MISS_Q / (1.0 - MISS_Q)))
-
-    @cython.cfunc
-    def push(self, t: Ticket) -> cython.void:
-        self.rate = self.rate_now(t.arrival) + t.n / RATE_TAU_S
-        if t.arrival > self.rate_at:
-            self.rate_at = t.arrival
-        if self.qlen == 0:
-            self.head_arrival = t.arrival
-            self.head_deadline = t.deadline
-        self.queue.append(t)
-        self.qlen += 1
-        self.items += t.n
-        self.arrived += t.n
-        self.dirty = True
-
-    @cython.cfunc
-    def first(self) -> Ticket:
-        """The oldest queued ticket (qlen > 0)."""
-        return self.queue[self.head]
-
-    @cython.cfunc
-    def pop(self) -> Ticket:
-        """Take the oldest queued ticket (qlen > 0)."""
-        q: list = self.queue
-        t: Ticket = q[self.head]
-        q[self.head] = None  # the caller owns the ticket (and its payload) now
-        self.head += 1
-        self.qlen -= 1
-        self.items -= t.n
-        self.dirty = True
-        if self.qlen == 0:
-            del q[:]
-            self.head = 0
-        else:
-            if self.head >= _COMPACT_AT and self.head * 2 >= len(q):
-                del q[:self.head]
-                self.head = 0
-            h: Ticket = q[self.head]
-            self.head_arrival = h.arrival
-            self.head_deadline = h.deadline
-        return t
 
 
 @cython.cclass
@@ -737,7 +387,7 @@ class _Core:
                     f"or the server's loop to get to it), over its SLO of "
                     f"{st.spec.slo_s * 1000:g} ms")
             if st.mates:  # its own work unknown: its lane mates' that goes first, at least
-                wait_s: cython.double = self._lane_start(st, t.deadline, now, 0.0)
+                wait_s: cython.double = lane_start(self._m, self.policy, st, t.deadline, now, 0.0)
                 if now + wait_s > t.deadline:
                     return self._lane_refusal(st, t, model, wait_s, now + wait_s - t.deadline)
         else:
@@ -750,7 +400,7 @@ class _Core:
             per_batch: cython.double
             # It waits behind work: its own, or a lane mate's that goes first.
             slow_end: cython.bint = ahead > 0 or st.running or (
-                len(st.mates) > 0 and self._mates_busy(st, now))
+                len(st.mates) > 0 and mates_busy(self._m, st, now))
             if slow_end:
                 if st.running and st.run_high_until > now:
                     start = st.run_high_until
@@ -767,7 +417,8 @@ class _Core:
             launch: cython.double = start + full_batches * per_batch
             mates_s: cython.double = 0.0  # how much later its lane mates make that
             if st.mates:
-                mates_s = self._lane_start(st, t.deadline, now, launch - now) - (launch - now)
+                mates_s = lane_start(self._m, self.policy, st, t.deadline, now,
+                                     launch - now) - (launch - now)
                 if mates_s == _INF:  # its lane mates' load (no probe: see below)
                     return self._lane_refusal(st, t, model, mates_s, _INF)
                 launch += mates_s
@@ -797,10 +448,10 @@ class _Core:
                 if finish > t.deadline and 1 < cap and ahead + k <= cap and mates_s == 0 and (
                         ready < t.deadline) and (
                         st.joinable or now - st.multi_at >= self.probe_s):
-                    st.joinable = True  # a slope probe (module docstring)
+                    st.joinable = True  # a slope probe (`core_state` docstring)
                     return None
-            if finish > t.deadline and st.guests and self._guest_finish(
-                    st, ahead + k, now) <= t.deadline:
+            if finish > t.deadline and st.guests and guest_finish(
+                    self._m, self.policy, st, ahead + k, now) <= t.deadline:
                 return None  # an idle lane's guest worker of the model takes it
             if finish > t.deadline:
                 # A probe re-measures the model's own batches: it is due when they refused
@@ -824,115 +475,6 @@ class _Core:
                     f"its SLO of {st.spec.slo_s * 1000:g} ms",
                     (finish - t.deadline) / (st.margin if slow_end else 1.0))
         return None
-
-    @cython.cfunc
-    def _guest_finish(self, st: _Model, items: cython.longlong,
-                      now: cython.double) -> cython.double:
-        """When the `items` queued for `st` (its own worker busy) would be answered by its
-        guest workers whose lanes are idle now (each a batch of up to its cap, at its
-        estimate's slow end), or _INF when they cannot take them all."""
-        g: _Model
-        cap: cython.longlong
-        left: cython.longlong = items
-        finish: cython.double = now
-        end: cython.double
-        for j in st.guests:
-            g = self._m[j]
-            if left <= 0:
-                break
-            if g.running or not g.trusted or self._mates_busy(g, now):
-                continue
-            cap = self.policy.batch_cap(g.name)
-            if cap > g.max_batch:
-                cap = g.max_batch
-            if cap < 1:
-                continue
-            n: cython.longlong = left if left < cap else cap
-            end = now + g.estimate.high_s(n) + g.overhead_s + g.delivery_s
-            if end > finish:
-                finish = end
-            left -= n
-        return finish if left <= 0 else _INF
-
-    @cython.cfunc
-    def _mates_busy(self, st: _Model, now: cython.double) -> cython.bint:
-        """Whether a lane mate of `st` runs a batch, or has queued work that goes first."""
-        i: cython.Py_ssize_t
-        m: _Model
-        for i in range(len(st.mates)):
-            m = self._m[st.mates[i]]
-            if m.running or (m.qlen and st.mate_kinds[i] != _RUNNING):
-                return True
-        return False
-
-    @cython.cfunc
-    def _lane_start(self, st: _Model, deadline: cython.double, now: cython.double,
-                    own_s: cython.double) -> cython.double:
-        """Seconds from `now` until a batch of `st` whose own work ahead takes `own_s` can
-        start, its lane mates' work that goes first counted too (on the slow end): their
-        running batches; a higher tier's queued batches and, while it waits, the share of
-        the device its admitted items keep taking (`load`); an earliest-deadline peer's
-        queued items due before `deadline`, and those that arrive while they would still
-        be due before it (until `deadline` - its SLO). In a fluid model the start s is
-        then the least solution of
-            s = running + queued + load * s + sum of peer load * min(s, until peer's),
-        or _INF when the higher tiers' load is LOAD_MAX or more."""
-        fixed: cython.double = own_s
-        load: cython.double = 0.0
-        peers: list = []  # (until, load) of each earliest-deadline peer still arriving
-        i: cython.Py_ssize_t
-        m: _Model
-        kind: cython.int
-        mcap: cython.longlong
-        n: cython.double
-        share: cython.double
-        for i in range(len(st.mates)):
-            m = self._m[st.mates[i]]
-            kind = st.mate_kinds[i]
-            if m.running and m.run_high_until > now:
-                fixed += m.run_high_until - now
-            if kind == _RUNNING or not m.trusted:
-                continue
-            mcap = self.policy.batch_cap(m.name)
-            if mcap > m.max_batch:
-                mcap = m.max_batch
-            if mcap < 1:
-                mcap = 1
-            n = m.items
-            if kind != _ALL and m.qlen:
-                # its queued deadlines run from its head's to about now + its SLO
-                if m.head_deadline >= deadline:
-                    n = 0.0
-                elif now + m.slo_s > deadline:
-                    n *= (deadline - m.head_deadline) / (now + m.slo_s - m.head_deadline)
-            if n > 0:
-                fixed += math.ceil(n / mcap) * (m.estimate.high_s(mcap) + m.overhead_s)
-            share = m.rate_now(now) * (m.estimate.estimate_s(mcap) + m.overhead_s) / mcap
-            if kind == _ALL:
-                load += share
-            elif deadline - m.slo_s > now:
-                peers.append((deadline - m.slo_s - now, share))
-        peers.sort()
-        # Segment by segment: while s is past a peer's `until`, that peer adds
-        # share * until, a constant; before it, share * s.
-        arriving: cython.double = load
-        for _, share in peers:
-            arriving += share
-        until: cython.double
-        s: cython.double
-        lo: cython.double = 0.0
-        for until, share in peers:
-            if arriving < 1.0:
-                s = fixed / (1.0 - arriving)
-                if s <= until:
-                    return s if s > lo else lo
-            fixed += share * until
-            arriving -= share
-            lo = until
-        if load >= LOAD_MAX:
-            return _INF
-        s = fixed / (1.0 - load)
-        return s if s > lo else lo
 
     def _lane_refusal(self, st: _Model, t: Ticket, model: str, wait_s: float,
                       over_s: float) -> Refusal:
@@ -972,7 +514,7 @@ class _Core:
     @cython.cfunc
     def _refusing_estimate(self, st: _Model, now: cython.double) -> object:
         """The estimate that may refuse requests of this model now, or None: not trusted
-        yet, a probe under way, or a probe due (see the module docstring)."""
+        yet, a probe under way, or a probe due (`core_state` docstring)."""
         if not st.trusted or st.probing or self._probe_due(st, now):
             return None
         return st.estimate
@@ -1072,7 +614,7 @@ class _Core:
                 if t.deadline == st.probe_deadline:
                     st.probing = False  # the probe expired queued: it is over
                 if run_s > 0 and (st.running or not st.mates):
-                    # a probe re-measures the model's own batches (module docstring): due
+                    # a probe re-measures the model's own batches (`core_state` docstring): due
                     # when its head waited on them, not on its lane mates' work alone
                     st.est_refused = True
                 out.append(self._refusal(

@@ -16,12 +16,15 @@ import pytest
 import dstack.policies.baselines
 import dstack.policies.contract
 import dstack.policies.latency
+import dstack.runtime.core_state
 import dstack.runtime.dispatch
+import dstack.runtime.lanes
 import dstack.simulate.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPILED = (dstack.policies.contract, dstack.policies.latency, dstack.policies.baselines,
-            dstack.runtime.dispatch, dstack.simulate.engine)
+            dstack.runtime.core_state, dstack.runtime.lanes, dstack.runtime.dispatch,
+            dstack.simulate.engine)
 
 
 def _compiled(module: object) -> bool:
