@@ -6,7 +6,19 @@ from pathlib import Path
 
 from dstack.common.types import Plan, Schedule
 from optimizer.packing import pack
-from optimizer.solve import rate_pair
+
+
+def _rps(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def rate_pair(served: float, expected: float) -> tuple[str, str]:
+    """Two rates for people: whole numbers, unless rounding would make a shortfall look
+    like none (23.7 of 24 shown as "24 of 24"); then one decimal."""
+    a, b = _rps(served), _rps(expected)
+    if a == b and served != expected:
+        a, b = f"{served:.1f}", f"{expected:.1f}"
+    return a, b
 
 
 def format_plan(plan: Plan) -> str:
@@ -25,10 +37,19 @@ def format_plan(plan: Plan) -> str:
     lines.append(
         f"cycle {plan.cycle_ms:.2f} ms; weighted goodput {plan.objective:.1f} rps; "
         f"status {plan.status.value}; solved in {plan.solve_time_s:.2f} s "
-        f"({'proven optimal' if plan.proven_optimal else 'best found, not proven optimal'})"
+        f"({search_status(plan)})"
     )
     lines.extend(f"  short: {s.reason}" for s in plan.shortfalls)
     return "\n".join(lines)
+
+
+def search_status(plan: Plan) -> str:
+    """How the plan's search ended: optimal, or CBC's gap to its bound (a lane plan says
+    it in `search`; any other plan only whether it is proven optimal)."""
+    said = getattr(plan, "search", "")
+    if said:
+        return str(said)
+    return "proven optimal" if plan.proven_optimal else "best found, not proven optimal"
 
 
 def draw_gantt(plan: Plan, path: str | Path, schedule: Schedule | None = None) -> None:

@@ -47,12 +47,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import reduce
 
 from dstack.common.types import Profile
 
-EXACT_MAX = 6  # models: up to this many, every set partition (Bell(6) = 203)
+EXACT_MAX = 6  # models: up to this many, every subset is a candidate lane (2^6 - 1)
+#: Wall-clock limit of one lane search (each CBC solve of it together).
+SEARCH_TIME_LIMIT_S = 5.0
 #: Models share a lane only for more than this predicted gain over the spatial assignment
 #: (one lane each): a model alone in its lane never waits behind another model's batch,
 #: which the scores (means at planned rates) do not price. On the real CPU mix a shared
@@ -114,13 +116,36 @@ class LaneEval:
 
 
 @dataclass(frozen=True, slots=True)
+class SearchStatus:
+    """How the lane search went (`dstack plan` prints `describe()`)."""
+
+    proven: bool  # CBC proved the plan optimal over its candidate lanes
+    complete: bool  # every lane (subset x width) was a candidate: optimal over all plans
+    gap: float  # CBC's relative gap to its bound when it stopped at the time limit
+    candidates: int  # candidate lanes in the MILP
+
+    @property
+    def optimal(self) -> bool:
+        return self.proven and self.complete
+
+    def describe(self) -> str:
+        if not self.proven:
+            return (f"best found at the time limit, {100 * self.gap:.2f}% below CBC's "
+                    f"bound over {self.candidates} candidate lanes")
+        if self.complete:
+            return f"optimal (MILP over all {self.candidates} lanes)"
+        return f"optimal over {self.candidates} candidate lanes, not over every lane"
+
+
+@dataclass(frozen=True, slots=True)
 class LaneChoice:
     """A scored lane plan over an instance."""
 
     lanes: tuple[LaneEval, ...]
     value: float
     robust: float
-    source: str = ""  # "exact" | "greedy" | "spatial" | "temporal"
+    source: str = ""  # "milp" | "greedy" | "spatial" | "temporal" ("exact": the DP)
+    status: SearchStatus | None = None  # how the search that chose it went
 
     def dropped(self, n: int) -> tuple[int, ...]:
         """The models (of n) in no lane: left out to serve cheaper work."""
@@ -327,7 +352,7 @@ def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneE
 _State = tuple[tuple[float, float, float], list[LaneEval]]
 
 
-class _Lanes:
+class Lanes:
     """Memoised best lanes and the width knapsack over an instance."""
 
     def __init__(self, inst: LaneInstance, drop: bool = False) -> None:
@@ -346,6 +371,10 @@ class _Lanes:
             members = [i for i in range(len(self.inst.models)) if mask >> i & 1]
             ev = self._memo[key] = best_lane(self.inst, members, width)
         return ev
+
+    def scored(self) -> tuple[LaneEval, ...]:
+        """Every lane scored so far (the MILP's candidates above `EXACT_MAX` models)."""
+        return tuple(self._memo.values())
 
     def widths_for(self, masks: Sequence[int]) -> _State:
         """Multiple-choice knapsack: one width per lane, total <= capacity, best key."""
@@ -468,7 +497,8 @@ def solve_lanes(inst: LaneInstance, *,
                 spatial_widths: Sequence[float] | None = None,
                 temporal_caps: Sequence[int] | None = None,
                 exact_max: int = EXACT_MAX,
-                drop: bool = True) -> tuple[LaneChoice, Reference]:
+                drop: bool = True,
+                time_limit_s: float = SEARCH_TIME_LIMIT_S) -> tuple[LaneChoice, Reference]:
     """The best lane plan found, and the scored baseline assignments it was compared with.
 
     `spatial_widths`: each model's own lane width under `spatial` (None: not expressible
@@ -477,13 +507,17 @@ def solve_lanes(inst: LaneInstance, *,
     n = len(inst.models)
     if n == 0:
         return LaneChoice((), 0.0, 0.0, "empty"), Reference()
-    lanes = _Lanes(inst)
-    search = lanes.exact() if n <= exact_max else lanes.greedy()
-    if drop and n <= exact_max:
-        lanes.drop = True
-        fewer = lanes.exact()
-        if fewer.value > search.value * (1.0 + DROP_GAIN) + EPS:
-            search = fewer
+    # Imported here: lane_milp builds on this module's lanes and scores.
+    from optimizer.lane_milp import search as milp_search
+
+    lanes = Lanes(inst)
+    search = milp_search(lanes, drop=drop, exact_max=exact_max, time_limit_s=time_limit_s)
+    if drop and len(search.dropped(n)) > 0:
+        # Leave models out only for more than DROP_GAIN over placing every one.
+        kept = milp_search(lanes, drop=False, exact_max=exact_max,
+                           time_limit_s=time_limit_s)
+        if search.value <= kept.value * (1.0 + DROP_GAIN) + EPS:
+            search = kept
     spatial = temporal = None
     if spatial_widths is not None and sum(spatial_widths) <= inst.capacity + 1e-6:
         spatial = choice_of(inst, [((i,), w, None) for i, w in enumerate(spatial_widths)],
@@ -498,6 +532,8 @@ def solve_lanes(inst: LaneInstance, *,
             and best.grown <= spatial.grown * (1.0 + ISOLATION_GAIN) + EPS
             and (temporal is None or spatial.value >= temporal.value - EPS)):
         best = spatial
+    if best.status is None:  # a baseline's assignment: the search's status still says
+        best = replace(best, status=search.status)  # how far the search went
     return best, Reference(spatial, temporal, tuple(cands))
 
 

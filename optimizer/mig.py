@@ -19,8 +19,8 @@ alone on its instance is served min(r_m, 1000 b / L_m(b, p_k)) in full when
 batch out, then runs), part of it for S_m / 2 < L < S_m. Memory: the batches a member may
 use are cut so that sum_{m in S} (M_m(b_m) + C) <= Mem_k.
 
-MILP (PuLP/CBC). z_c in {0,1} per distinct vector c of instance counts over the layouts
-(layouts with the same counts score the same), y_g in {0,1} per group with v_g > 0:
+MILP (`optimizer.milp`, PuLP/CBC). z_c in {0,1} per distinct vector c of instance counts
+over the layouts (layouts with the same counts score the same), y_g in {0,1} per group with v_g > 0:
 
     sum_c z_c = 1                                   one layout
     sum_{g of kind k} y_g <= sum_c n_{c,k} z_c       no more groups than instances of k
@@ -40,12 +40,10 @@ import bisect
 import itertools
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import pulp  # with optimizer/milp.py, the two modules that import PuLP
-
+from optimizer import milp
 from optimizer.lanes import LaneEval, LaneInstance, LaneModel, best_lane
 from optimizer.mig_layouts import Layout, MigGpu, MigProfile, valid_layouts
 
@@ -209,38 +207,29 @@ def advise(models: Sequence[MigModel], gpu: MigGpu, *, extra: bool = False,
     groups = candidate_groups(scorer, fit, profiles, max_share)
     vectors = list(dict.fromkeys(_counts(lay) for lay in layouts))  # in layout order
 
-    prob = pulp.LpProblem("dstack_mig", pulp.LpMaximize)
-    z = [prob.add_variable(f"z_{c}", cat=pulp.LpBinary) for c in range(len(vectors))]
-    y = [prob.add_variable(f"y_{g}", cat=pulp.LpBinary) for g in range(len(groups))]
-    prob += pulp.lpSum(z) == 1
+    # Variables: z_c (c < nz), then y_g at nz + g.
+    nz = len(vectors)
+    rows = [milp.Row(tuple((c, 1.0) for c in range(nz)), 1.0, equal=True)]
     for p in profiles:
-        have = pulp.lpSum(dict(vec).get(p.name, 0) * z[c] for c, vec in enumerate(vectors))
-        prob += pulp.lpSum(y[j] for j, g in enumerate(groups) if g.profile.name == p.name) <= have
+        rows.append(milp.Row(
+            tuple((nz + j, 1.0) for j, g in enumerate(groups) if g.profile.name == p.name)
+            + tuple((c, -float(dict(vec).get(p.name, 0))) for c, vec in enumerate(vectors)),
+            0.0))
     for i in fit:
-        mine = [y[j] for j, g in enumerate(groups) if i in g.members]
+        mine = tuple((nz + j, 1.0) for j, g in enumerate(groups) if i in g.members)
         if mine:
-            prob += pulp.lpSum(mine) <= 1
-    deadline = t0 + time_limit_s
-    proven = True
-    stages = [[g.eval.value for g in groups], [g.eval.grown for g in groups],
-              [g.eval.robust for g in groups]]
-    for coef in stages:
-        obj = pulp.lpSum(c * y[j] for j, c in enumerate(coef))
-        prob.setObjective(obj)
-        with warnings.catch_warnings():
-            # PuLP 3 deprecates the bundled-CBC class for 4.0; it is the CBC we have.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            solver = pulp.PULP_CBC_CMD(msg=False,
-                                       timeLimit=max(1.0, deadline - time.perf_counter()))
-        prob.solve(solver)
-        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            raise RuntimeError(f"CBC found no MIG assignment ({pulp.LpStatus[prob.status]})")
-        proven = proven and prob.sol_status == pulp.LpSolutionOptimal
-        best = pulp.value(obj) or 0.0
-        prob += obj >= best - TOL * max(1.0, abs(best))
-
-    vec = next(vectors[c] for c in range(len(vectors)) if (z[c].value() or 0) > 0.5)
-    chosen = [g for j, g in enumerate(groups) if (y[j].value() or 0) > 0.5]
+            rows.append(milp.Row(mine, 1.0))
+    zeros = [0.0] * nz
+    stages = [zeros + [g.eval.value for g in groups], zeros + [g.eval.grown for g in groups],
+              zeros + [g.eval.robust for g in groups]]
+    try:
+        sol = milp.maximise(nz + len(groups), rows, stages, time_limit_s=time_limit_s,
+                            name="dstack_mig")
+    except milp.NoSolution as e:
+        raise RuntimeError(f"CBC found no MIG assignment ({e})") from e
+    proven = sol.proven
+    vec = vectors[next(c for c in sol.chosen if c < nz)]
+    chosen = [groups[j - nz] for j in sol.chosen if j >= nz]
     layout = next(lay for lay in layouts if _counts(lay) == vec)
     return _realise(layout, chosen, tuple(unfit), len(layouts), proven,
                     time.perf_counter() - t0)

@@ -293,6 +293,8 @@ def _realise(inst: LaneInstance, choice: LaneChoice, backend: SliceBackend,
         status = SolverStatus.PARTIAL
     else:
         status = SolverStatus.OPTIMAL
+    st = choice.status
     plan = LanePlan(tuple(mplans), cycle, choice.value, status, solve_s, tuple(shortfalls),
-                    choice.source == "exact", lanes=tuple(lanes), unserved=tuple(unserved))
+                    st is None or st.optimal, lanes=tuple(lanes), unserved=tuple(unserved),
+                    search=st.describe() if st else "", gap=st.gap if st else 0.0)
     return plan, Schedule(cycle, tuple(slots))

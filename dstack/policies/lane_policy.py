@@ -81,6 +81,10 @@ class LanePlan(Plan):
 
     lanes: tuple[Lane, ...] = ()
     unserved: tuple[tuple[str, str], ...] = ()  # (model, reason) never launched
+    #: how the lane search ended, in words (`optimizer.lanes.SearchStatus.describe`)
+    search: str = ""
+    #: CBC's relative gap to its bound when the search stopped at its time limit, else 0
+    gap: float = 0.0
 
 
 class LanePolicy:

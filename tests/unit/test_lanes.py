@@ -115,8 +115,8 @@ def test_greedy_fits_more_models_than_lanes_the_device_holds(singles):
                    for i, m in enumerate(models))
     inst = LaneInstance(models, (25.0, 50.0, 100.0))  # at most 4 lanes
     n = len(models)
-    best, ref = solve_lanes(inst, temporal_caps=[1] * n)
-    assert best.source == "greedy" or best.value == ref.temporal.value
+    best, ref = solve_lanes(inst, temporal_caps=[1] * n, drop=False)
+    assert best.source in ("milp", "greedy") or best.value == ref.temporal.value
     assert best.value >= ref.temporal.value - 1e-9
     assert sum(e.width for e in best.lanes) <= 100 + 1e-6
     assert sorted(i for e in best.lanes for i in e.members) == list(range(n))
