@@ -1,81 +1,115 @@
-"""Speed of `optimizer.solve` on random instances (a benchmark, not a test).
+"""The `dstack` lane planner: its speed, and its MILP against the greedy merge search
+(a benchmark, not a test).
 
-    .venv/bin/python bench/bench_optimizer.py [--seeds 3] [--sizes 10 50]
+    .venv/bin/python -m bench.bench_optimizer [--seeds 3] [--sizes 10 50] [--compare 7 20]
 
-Random models: latency L(b, p) = (k0 + t * b) * (knee / p) ** g below the knee, flat
-above it; 6 batch sizes (1..32) x 10 slices (10..100%); SLOs 4-12x the batch-1 latency,
-rates 0.2-1.5x what the model could do alone at batch 8. Prints solve time, status and
-cycle per instance, and whether the plan is proven optimal (instances too large for the
-exact MILP are solved by the heuristic, `optimizer/heuristic.py`, and are not).
+Mixes come from the policy suite's generator (`bench.bench_policies.draw_mix`: models
+drawn from a profile directory with their aliases, SLOs 2-15x the batch-1 latency, a load
+of 0.3-1.5 of the device split among them) with the number of models fixed.
+
+1. Plan time: `plan_lanes` (what `dstack plan`, the server and the simulator run: instance,
+   MILP, the baselines' assignments, the plan) on H100 mixes of each `--sizes`, with how
+   its search ended (optimal, or CBC's gap to its bound).
+2. MILP against greedy: on mixes of 7-20 models (one per device and size), the predicted
+   goodput G of the greedy plan (`Lanes.greedy`, the search before the MILP) and of the
+   MILP's plan (`lane_milp.search`), both placing every model; which is higher, by how
+   much, and the MILP's status; up to 8 models also the optimum (the MILP over every
+   subset at every width).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import random
 import statistics
 import time
 
-from dstack.common.types import Cell, DeviceInfo, ModelSLO, Priority, Profile
-from optimizer import SolveOptions, pack, solve, validate_schedule
+from bench import bench_policies
+from dstack.policies import lane_planning
+from dstack.policies.planning import served_profiles
+from optimizer import lane_milp
+from optimizer.lanes import Lanes
 
-BATCHES = (1, 2, 4, 8, 16, 32)
-PERCENTS = tuple(float(p) for p in range(10, 101, 10))
+H100 = "nvidia-h100-80gb-hbm3"
+#: Up to this many models the comparison also solves the MILP over every lane (the optimum).
+EXACT_UP_TO = 8
 
 
-def random_instance(n: int, rng: random.Random) -> tuple[dict[str, Profile], list[ModelSLO]]:
-    profiles: dict[str, Profile] = {}
-    slos: list[ModelSLO] = []
-    for i in range(n):
-        name = f"m{i}"
-        k0, t = rng.uniform(0.3, 3.0), rng.uniform(0.05, 1.0)
-        knee, g = rng.uniform(20, 80), rng.uniform(0.6, 1.0)
-        cells = tuple(
-            Cell(b, p, lat, lat)
-            for b in BATCHES
-            for p in PERCENTS
-            for lat in [round((k0 + t * b) * max(1.0, knee / p) ** g, 3)]
-        )
-        dev = DeviceInfo("reference", "random", 80, "SMs")
-        profiles[name] = Profile(name, dev, "table", BATCHES, PERCENTS, cells)
-        l1 = k0 + t
-        cap8 = 1000 * 8 / (k0 + 8 * t)
-        slos.append(
-            ModelSLO(
-                name,
-                slo_ms=round(rng.uniform(4, 12) * l1 * max(1.0, n / 4), 1),
-                rate_rps=round(rng.uniform(0.2, 1.5) * cap8 / n, 1),
-                priority=rng.choice(list(Priority)),
-            )
-        )
-    return profiles, slos
+def mix_of(n: int, seed: int, device: str | None = None, start: int = 0):
+    """The first suite mix (from index `start`) of `n` models, on `device` if given."""
+    bench_policies.MODELS_RANGE = (n, n)
+    i = start
+    while True:
+        mix = bench_policies.draw_mix(seed, i)
+        if device is None or mix.device_dir == device:
+            return mix
+        i += 1
+
+
+def plan_time(sizes: list[int], seeds: int) -> None:
+    print("plan time: plan_lanes on H100 mixes")
+    for n in sizes:
+        times = []
+        for seed in range(seeds):
+            mix = mix_of(n, seed, H100)
+            cfg = bench_policies.mix_config(mix)
+            profiles = served_profiles(cfg, check_device=False)
+            t0 = time.perf_counter()
+            plan, _, _ = lane_planning.plan_lanes(cfg, profiles, None)
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            print(f"  {n:3d} models seed {seed}: {dt:6.2f} s  G {plan.objective:9.1f}  "
+                  f"{len(plan.lanes):2d} lanes  {plan.status.value:10s} {plan.search}")
+        print(f"  {n:3d} models: median {statistics.median(times):.2f} s, "
+              f"max {max(times):.2f} s")
+
+
+def compare(lo: int, hi: int, seed: int) -> None:
+    print(f"MILP against greedy, mixes of {lo}-{hi} models (seed {seed}), every model placed")
+    print(f"  {'mix':12s} {'n':>3s} {'greedy G':>10s} {'MILP G':>10s} {'MILP/greedy':>11s} "
+          f"{'greedy s':>8s} {'MILP s':>7s}  status")
+    wins = {"milp": 0, "tie": 0, "greedy": 0}
+    for n in range(lo, hi + 1):
+        for k in range(len(bench_policies.DEVICES)):
+            mix = mix_of(n, seed, start=k)
+            cfg = bench_policies.mix_config(mix)
+            profiles = served_profiles(cfg, check_device=False)
+            backend = lane_planning.backend_of(profiles)
+            inst = lane_planning._instance(cfg, profiles, backend, None,
+                                           lane_planning.LATENCY_MARGIN)[0]
+            t0 = time.perf_counter()
+            greedy = Lanes(inst).greedy()
+            t1 = time.perf_counter()
+            best = lane_milp.search(Lanes(inst), drop=False)
+            t2 = time.perf_counter()
+            exact = ""
+            if n <= EXACT_UP_TO:  # every lane a candidate: the optimum, for reference
+                full = lane_milp.search(Lanes(inst), drop=False, exact_max=n,
+                                        time_limit_s=60.0)
+                exact = f"; optimum {full.value:.1f} ({full.value / best.value:.4f}x MILP)"
+            ratio = best.value / greedy.value if greedy.value > 0 else 1.0
+            who = "milp" if ratio > 1 + 1e-6 else "greedy" if ratio < 1 - 1e-6 else "tie"
+            wins[who] += 1
+            dev = bench_policies.DEVICE_SHORT.get(mix.device_dir, mix.device_dir)
+            print(f"  {mix.id + ' ' + dev:12s} {n:3d} {greedy.value:10.1f} {best.value:10.1f} "
+                  f"{ratio:11.4f} {t1 - t0:8.2f} {t2 - t1:7.2f}  "
+                  f"{best.status.describe() if best.status else ''}{exact}")
+    print(f"  MILP higher on {wins['milp']}, equal on {wins['tie']}, greedy higher on "
+          f"{wins['greedy']}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[10, 50])
-    ap.add_argument("--time-limit", type=float, default=None, help="default: scaled to size")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=3, help="H100 mixes per size for plan time")
+    ap.add_argument("--sizes", type=int, nargs="*", default=[10, 50])
+    ap.add_argument("--compare", type=int, nargs=2, default=[7, 20], metavar=("LO", "HI"),
+                    help="model counts of the MILP/greedy comparison (0 0: skip it)")
+    ap.add_argument("--seed", type=int, default=1, help="the comparison's suite seed")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="  %(levelname)s %(message)s")
-    for n in args.sizes:
-        times = []
-        for seed in range(args.seeds):
-            profiles, slos = random_instance(n, random.Random(1000 * n + seed))
-            t0 = time.perf_counter()
-            plan = solve(profiles, slos, SolveOptions(time_limit_s=args.time_limit))
-            dt = time.perf_counter() - t0
-            times.append(dt)
-            problems = validate_schedule(pack(plan), [m.model for m in plan.models])
-            print(
-                f"{n:3d} models seed {seed}: {dt:7.3f} s  {plan.status.value:10s} "
-                f"cycle {plan.cycle_ms:8.2f} ms  goodput {plan.objective:9.1f}  "
-                f"short {len(plan.shortfalls):2d}  "
-                f"{'proven' if plan.proven_optimal else 'not proven'}  "
-                f"schedule {'ok' if not problems else problems}"
-            )
-        print(f"{n:3d} models: median {statistics.median(times):.3f} s, max {max(times):.3f} s")
+    if args.sizes:
+        plan_time(args.sizes, args.seeds)
+    if args.compare[1] > 0:
+        compare(args.compare[0], args.compare[1], args.seed)
 
 
 if __name__ == "__main__":

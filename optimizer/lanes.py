@@ -26,17 +26,19 @@ b_m / R_l, 2 r_m) (capacity beyond the planned rate, up to twice it, for bursts)
 
 Search. For one (M, p) the caps come from a scan over the round target R*: every model
 takes the largest cap with L_m(b, p) <= S_m - R*, then the model with the most surplus
-(b_m against r_m R*) steps down until R_l <= R*. Over lanes: the exact subset dynamic
-programme (every set partition of up to `EXACT_MAX` models, widths as a multiple-choice
-knapsack in units of the widths' common step) and, for larger instances, greedy merges
-of lanes starting from one lane per model, each partition's widths again by the knapsack.
+(b_m against r_m R*) steps down until R_l <= R*. Over lanes: a set-partitioning MILP over
+candidate lanes (`optimizer.lane_milp`; every subset at every width up to `EXACT_MAX`
+models, the greedy's lanes and their neighbours above). The exact subset dynamic
+programme (`Lanes.exact`: every set partition, widths as a multiple-choice knapsack in
+units of the widths' common step) checks it in the tests; the greedy merges (`Lanes.greedy`)
+give its candidates above `EXACT_MAX` models.
 The spatial assignment (one lane per model, the `spatial` baseline's widths) and the
 temporal assignment (one 100% lane, the `temporal` baseline's batches) are always scored
 too, so the plan's predicted goodput is never below either.
 
 A model whose batch-1 latency on the whole device exceeds its SLO cannot be served by
 any plan: it is left out (the policy refuses its requests) and named with its numbers.
-Under overload the exact search may also leave models out, as the ideal bound drops the
+Under overload the search may also leave models out, as the ideal bound drops the
 most expensive work, when that raises G by more than `DROP_GAIN`; and an overloaded
 shared lane runs the models it serves below their demand (`capped`, in increasing cost
 per request over weight) only when the lane has nothing else.
@@ -133,7 +135,7 @@ class SearchStatus:
             return (f"best found at the time limit, {100 * self.gap:.2f}% below CBC's "
                     f"bound over {self.candidates} candidate lanes")
         if self.complete:
-            return f"optimal (MILP over all {self.candidates} lanes)"
+            return f"optimal, MILP over all {self.candidates} lanes"
         return f"optimal over {self.candidates} candidate lanes, not over every lane"
 
 
