@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The install compiles the simulator's hot path (setup.py); a changed source is compiled
 # again here (only what changed), so a stale extension module never shadows it.
-$(BUILT): $(STAMP) setup.py $(wildcard dstack/*.py dstack/*/*.py)
+$(BUILT): $(STAMP) setup.py $(wildcard dstack/*.py dstack/*/*.py dstack/*/*.pxd)
 	$(PY) setup.py -q build_ext --inplace
 	touch $(BUILT)
 
