@@ -78,17 +78,18 @@ def _solve(lanes: Lanes, cols: Sequence[LaneEval], *, drop: bool, warm: Sequence
 
 
 def search(lanes: Lanes, *, drop: bool, exact_max: int = EXACT_MAX,
-           time_limit_s: float = TIME_LIMIT_S) -> LaneChoice:
+           time_limit_s: float = TIME_LIMIT_S, neighbours: bool = True) -> LaneChoice:
     """The best lane plan over the candidates (module docstring). `drop`: models may be
     left out. Above `exact_max` models the greedy plan is kept if it scores higher (only
-    possible where CBC stopped at its time limit)."""
+    possible where CBC stopped at its time limit); `neighbours`: score the neighbour
+    lanes of the plan and solve again (a second search on the same `lanes` has them)."""
     deadline = time.perf_counter() + time_limit_s
     n = len(lanes.inst.models)
     complete = n <= exact_max
     warm: tuple[LaneEval, ...] = ()
     greedy = None
     if not complete:
-        greedy = lanes.greedy()
+        greedy = lanes.greedy_plan()
         warm = greedy.lanes
     cols = _all_lanes(lanes) if complete else list(lanes.scored())
     try:
@@ -99,7 +100,7 @@ def search(lanes: Lanes, *, drop: bool, exact_max: int = EXACT_MAX,
             raise
         # CBC stopped before it read its warm start back: the greedy plan, unbounded.
         return replace(greedy, status=SearchStatus(False, False, math.inf, len(cols)))
-    for _ in range(0 if complete else NEIGHBOUR_ROUNDS):
+    for _ in range(0 if complete or not neighbours else NEIGHBOUR_ROUNDS):
         if not best.status or not best.status.proven or time.perf_counter() >= deadline:
             break
         before = len(lanes.scored())

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import reduce
@@ -365,6 +366,7 @@ class Lanes:
         self.units = {w: round(w * 1000) // self.step for w in inst.widths}
         self.cap_units = round(inst.capacity * 1000) // self.step
         self._memo: dict[tuple[int, float], LaneEval] = {}
+        self._greedy: LaneChoice | None = None
 
     def lane(self, mask: int, width: float) -> LaneEval:
         key = (mask, width)
@@ -443,6 +445,12 @@ class Lanes:
         key, lanes = go(full, self.cap_units)
         return LaneChoice(lanes, key[0], key[2], "exact")
 
+    def greedy_plan(self) -> LaneChoice:
+        """`greedy()`, computed once."""
+        if self._greedy is None:
+            self._greedy = self.greedy()
+        return self._greedy
+
     def greedy(self) -> LaneChoice:
         """One lane per model, then merge the pair of lanes that improves most, repeat."""
         n = len(self.inst.models)
@@ -513,11 +521,13 @@ def solve_lanes(inst: LaneInstance, *,
     from optimizer.lane_milp import search as milp_search
 
     lanes = Lanes(inst)
+    t0 = time.perf_counter()
     search = milp_search(lanes, drop=drop, exact_max=exact_max, time_limit_s=time_limit_s)
     if drop and len(search.dropped(n)) > 0:
-        # Leave models out only for more than DROP_GAIN over placing every one.
-        kept = milp_search(lanes, drop=False, exact_max=exact_max,
-                           time_limit_s=time_limit_s)
+        # Leave models out only for more than DROP_GAIN over placing every one (the same
+        # candidates, and what is left of the time limit).
+        kept = milp_search(lanes, drop=False, exact_max=exact_max, neighbours=False,
+                           time_limit_s=time_limit_s - (time.perf_counter() - t0))
         if search.value <= kept.value * (1.0 + DROP_GAIN) + EPS:
             search = kept
     spatial = temporal = None
