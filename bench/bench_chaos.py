@@ -212,7 +212,6 @@ class _Levels:
     slos: dict[str, float]
     cap: float
     pids: dict[str, int]
-    decide_ms: float = 0.0  # server.decision_timeout_ms
     tallies: dict[int | str, cl.Tally] = field(
         default_factory=lambda: {x: cl.Tally() for x in _KEYS})
     floors: dict[int | str, list[float]] = field(default_factory=lambda: {x: [] for x in _KEYS})
@@ -253,25 +252,15 @@ def overload(args: argparse.Namespace) -> list[Row]:
     with ExitStack() as stack:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
-        for policy, n, ms, gil, solve in (
-                (p, k, ms, gil, solve) for p in args.policies for k in args.frontends
-                for ms in ((args.decision_timeouts_ms or [None]) if k > 1 else [None])
-                for gil in args.switch_intervals_ms or [None]
-                for solve in args.solve_in or [None]):
+        for policy, n in ((p, k) for p in args.policies for k in args.frontends):
             base, slos = mix(policy)
             # server.frontends: n (1 said: a one-process server whatever `auto` would
-            # make of this host), server.decision_timeout_ms: ms, server.switch_interval_ms:
-            # gil, adapt.solve_in: solve (None: their defaults)
-            label = ((policy if n == 1 else f"{policy}+{n}fe")
-                     + (f"+{ms:g}ms" if ms is not None else "")
-                     + (f"+gil{gil:g}ms" if gil is not None else "")
-                     + (f"+solve-{solve}" if solve is not None else ""))
-            top = {**args.top, **({"adapt": {"solve_in": solve}} if solve is not None else {})}
+            # make of this host)
+            label = policy if n == 1 else f"{policy}+{n}fe"
+            top = args.top
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
-            server = {**(front or {}), "frontends": n,
-                      **({"decision_timeout_ms": ms} if ms is not None else {}),
-                      **({"switch_interval_ms": gil} if gil is not None else {})}
+            server = {**(front or {}), "frontends": n}
             srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
                                                      top=top),
                                               OUT / f"overload-{label}.log"))
@@ -287,7 +276,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
             runs[label] = _Levels(srv, base, slos, cap,
                                   {"server": srv.pid, **{m: worker_pid(srv, m) for m in base},
                                    **{f"front end {k}": pid
-                                      for k, pid in enumerate(front_ends(srv.pid))}}, ms)
+                                      for k, pid in enumerate(front_ends(srv.pid))}})
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
         if front:  # the load generator (and the control's burner) join the front end
             pin_threads(tuple(args.frontend_cores))
@@ -425,9 +414,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
           + (f"front ends' {fe_late.summary()}; " if fe_late.count else "")
           + "server's refusals "
           f"{refusal_summary(refused)}"
-          + (f" ({fe_refused['standing']} of them standing at a front end"
-             + (f", {fe_refused['undecided']} not decided in time" if lv.decide_ms else "")
-             + ")" if fe_late.count else "")
+          + (f" ({fe_refused['standing']} of them standing at a front end)"
+             if fe_late.count else "")
           + f"; answered late: {cl.format_late(res, lv.slos)}; "
           f"time outside the server's p50 / p99 (ms): {outside_server(t)}", flush=True)
 
@@ -934,17 +922,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontends", type=int, nargs="+", default=[1],
                    help="overload, refusal-cost, accept-cost: each server once per value of "
                         "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
-    p.add_argument("--decision-timeouts-ms", type=float, nargs="+", default=None,
-                   help="overload: each server with front ends once per value of "
-                        "server.decision_timeout_ms (labelled +Xms; 0: none), side by side "
-                        "(default: the server's default, unlabelled)")
-    p.add_argument("--solve-in", choices=["process", "thread"], nargs="+", default=None,
-                   help="overload: each server once per value of adapt.solve_in (where a "
-                        "re-plan is solved; labelled +solve-X), side by side")
-    p.add_argument("--switch-intervals-ms", type=float, nargs="+", default=None,
-                   help="overload: each server once per value of server.switch_interval_ms "
-                        "(the GIL's switch interval in its process; labelled +gilXms), side "
-                        "by side (default: the server's default, unlabelled)")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")
