@@ -252,12 +252,14 @@ def overload(args: argparse.Namespace) -> list[Row]:
     with ExitStack() as stack:
         stack.callback(pin_threads, host)
         runs: dict[str, _Levels] = {}
-        for policy, n in ((p, k) for p in args.policies for k in args.frontends):
+        for policy, n, solve in ((p, k, solve) for p in args.policies for k in args.frontends
+                                 for solve in args.solve_in or [None]):
             base, slos = mix(policy)
             # server.frontends: n (1 said: a one-process server whatever `auto` would
-            # make of this host)
-            label = policy if n == 1 else f"{policy}+{n}fe"
-            top = args.top
+            # make of this host), adapt.solve_in: solve (None: its default)
+            label = ((policy if n == 1 else f"{policy}+{n}fe")
+                     + (f"+solve-{solve}" if solve is not None else ""))
+            top = {**args.top, **({"adapt": {"solve_in": solve}} if solve is not None else {})}
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
             server = {**(front or {}), "frontends": n}
@@ -922,6 +924,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontends", type=int, nargs="+", default=[1],
                    help="overload, refusal-cost, accept-cost: each server once per value of "
                         "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
+    p.add_argument("--solve-in", choices=["process", "thread"], nargs="+", default=None,
+                   help="overload: each server once per value of adapt.solve_in (where a "
+                        "re-plan is solved; labelled +solve-X), side by side")
     p.add_argument("--mix", choices=list(MIXES), default="cpu",
                    help="overload: the servers' model mix (configs/): cpu, or h100 "
                         "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")
