@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dstack.cluster.config import ClusterConfig, load_cluster, parse_cluster
 from dstack.common.config import ConfigError, PolicyName, load_config
+from dstack.policies.planning import planning_profiles
 
 #: Device memory of a node made by `dstack simulate --nodes N` from a deployment file.
 DEFAULT_MEMORY_MB = {"cuda": 81559.0, "cpu": 16384.0}
@@ -106,9 +107,10 @@ def cluster_from_deploy(config: str | Path, nodes: int, memory_mb: float | None,
     """`dstack simulate --config deploy.yaml --nodes N`: N nodes of the deployment's
     device, each with its profiles."""
     dep = load_config(config)
-    prof_dir = Path(profiles).resolve() if profiles else dep.profiles
-    if prof_dir is None:
-        raise ConfigError("dstack simulate --nodes needs profiles: give --profiles or `profiles:`")
+    if profiles:
+        dep = dep.model_copy(update={"profiles": Path(profiles).resolve()})
+    # `profiles: auto` (or none): this machine's cache, as `dstack simulate` reads it
+    prof_dir = planning_profiles(dep, config, say=print)[0].profiles
     mem = memory_mb or DEFAULT_MEMORY_MB[dep.device.value]
     return parse_cluster({
         "policy": PolicyName.DSTACK.value, "rate_headroom": dep.rate_headroom,

@@ -240,6 +240,11 @@ class AdaptConfig(_Strict):
     """Re-plan when a rate moves by more than this fraction from the planned one."""
     hold_s: Annotated[float, Field(ge=0)] = 5.0
     """Hysteresis: after a re-plan, wait at least this long before another."""
+    weigh_switch: bool = True
+    """A re-plan that starts workers (a slice changes) is taken only once its predicted
+    gain, over as long as the plan in force has lasted, outweighs what their starts cost
+    (on a CPU each start takes a core from serving for as long as the worker's last start
+    took; on a GPU it costs the device nothing). False: taken whenever it predicts more."""
     down_hold_s: Annotated[float, Field(ge=0)] = 60.0
     """Re-plan for lower rates only once they have stayed low this long (a lull must not
     take slices away from the next burst)."""

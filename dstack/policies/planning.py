@@ -287,16 +287,67 @@ def corrected_profiles(cfg: DeployConfig, profiles: Mapping[str, Profile],
 REPLAN_GAIN = 0.01
 
 
+def start_share(backend: SliceBackend) -> float:
+    """The share of the device's serving that a worker's start takes while it lasts: on a
+    CPU a starting process (imports, weights, warm-up) keeps about one core busy, taken
+    from the workers there; on a GPU it runs on the host's cores, beside the device."""
+    return 1.0 / backend.total_units if backend.kind == "cpu" else 0.0
+
+
+def switch_cost(current: PolicySetup, new: PolicySetup, backend: SliceBackend,
+                goodput: float, start_s: Mapping[str, float]) -> float:
+    """Requests that handing over from `current` to `new` is expected to lose: each worker
+    whose slice changes starts a shadow, for as long as its last start took (`start_s`,
+    by worker; the longest known for one never started), and each start takes
+    `start_share` of the `goodput` served meanwhile."""
+    longest = max(start_s.values(), default=0.0)
+    starts = sum(start_s.get(w, longest) for w in moved_workers(current, new))
+    return goodput * start_share(backend) * starts
+
+
+def moved_workers(current: PolicySetup, new: PolicySetup) -> list[str]:
+    """The workers of `new` that need a new process: a slice they did not have."""
+    before = current.policy.slices()
+    return [w for w, s in new.policy.slices().items() if before.get(w) != s]
+
+
+@dataclass(frozen=True, slots=True)
+class Replan:
+    """What `replan` decided. `setup`: the plan to switch to (None: keep the one in force).
+    `pending`: a better plan was found but is not worth starting its workers yet: ask
+    again later, for the same rates."""
+
+    setup: PolicySetup | None
+    pending: bool = False
+
+
 def replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *, origin: float,
            rates: dict[str, float],
-           profiles: dict[str, Profile] | None = None) -> PolicySetup | None:
+           profiles: dict[str, Profile] | None = None,
+           horizon_s: float = float("inf"),
+           start_s: Mapping[str, float] | None = None,
+           correcting: bool = False) -> Replan:
     """The `dstack` policy re-planned for the measured `rates` (per served model) with the
-    workers it has, or None when the plan in force, scored at those rates with its lanes
-    and caps as they are, predicts within `REPLAN_GAIN` of it."""
+    workers it has, and whether to switch to it. The plan in force is scored at those
+    rates with its lanes and caps as they are (with `profiles`, the ones to plan with, by
+    served model; default its own). The new plan is taken when it predicts more than
+    `REPLAN_GAIN` more, and its gain over `horizon_s` (how long the plan in force has
+    lasted: the new one is expected to last as long) outweighs `switch_cost` (`start_s`:
+    how long each worker took to start). `correcting`: `profiles` correct the plan's own
+    to what its batches take; a new plan that moves no worker is then taken whatever it
+    gains (its caps and estimates fit the batches served)."""
     new = setup_policy(cfg, backend, origin=origin, rates=rates, profiles=profiles,
                        replicas=current.replicas, guests=current.guests)
     if not isinstance(current.plan, LanePlan) or new.plan is None:
-        return new
-    kept = predicted_goodput(current.plan, current.run_cfg, current.profiles, backend,
+        return Replan(new)
+    if correcting and not moved_workers(current, new):
+        return Replan(new)
+    scored = (current.profiles if profiles is None
+              else _replica_profiles(current.run_cfg, profiles))
+    kept = predicted_goodput(current.plan, current.run_cfg, scored, backend,
                              split_rates(rates, current.replicas) or {})
-    return new if new.plan.objective > kept * (1 + REPLAN_GAIN) else None
+    gain = new.plan.objective - kept
+    if gain <= kept * REPLAN_GAIN:
+        return Replan(None)
+    cost = switch_cost(current, new, backend, kept, start_s or {})
+    return Replan(new) if gain * horizon_s >= cost else Replan(None, pending=True)

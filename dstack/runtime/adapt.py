@@ -132,6 +132,12 @@ class ReplanTrigger:
             self._last_plan = now
         return now - self._last_plan >= self.hold_s
 
+    def deferred(self, now: float) -> None:
+        """A re-plan found a better plan not yet worth switching to: ask again `hold_s`
+        from now, for the rates still planned."""
+        self._last_plan = now
+        self._streak = 0
+
     def planned(self, now: float, rates: dict[str, float]) -> None:
         """Record that a plan for `rates` took effect at `now`."""
         for m, r in rates.items():  # a rate planned anew is low no longer

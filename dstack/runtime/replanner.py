@@ -4,7 +4,8 @@ Demand is what arrives, not what was answered: every request is counted at arriv
 refused ones included (`RateTracker.record` is called before admission), so a closed
 loop or a burst that the current plan refuses still grows the next plan. The solve
 (`dstack.policies.planning.replan`: the lane search, taken only when it predicts more
-than the plan in force for the measured rates) runs off the event loop, in a process of
+than the plan in force for the measured rates, by more than starting the workers it moves
+would cost over the time the plan in force has lasted) runs off the event loop, in a process of
 its own (`SolverProcess`; `adapt.solve_in`, by default on a CUDA device) or in a thread
 (by default on a CPU device). In a thread its 5-20 ms of Python take turns at the GIL
 with the event loop, which meanwhile does a fraction of its work: under load it falls that
@@ -40,7 +41,6 @@ from dstack.policies.planning import (
     latency_ratios,
     replan,
     served_of,
-    setup_policy,
 )
 from dstack.runtime.adapt import tracker_for, trigger_for
 
@@ -130,7 +130,8 @@ class Replanner:
                  apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
                  clock: Callable[[], float], setup: PolicySetup,
                  solver: SolverProcess | None = None,
-                 live_s: Callable[[], dict[str, float]] | None = None) -> None:
+                 live_s: Callable[[], dict[str, float]] | None = None,
+                 start_s: Callable[[], dict[str, float]] | None = None) -> None:
         self.cfg = cfg
         self.solver = solver
         self.setup = setup  # the plan in force
@@ -140,6 +141,8 @@ class Replanner:
         self.rates = tracker_for(cfg)
         self.trigger = trigger_for(cfg)
         self.trigger.held(clock())  # the plan in force dates from now
+        self._since = clock()  # when the plan in force was put in force
+        self._start_s = start_s  # how long each worker took to start, by worker
         self.replans = 0
         self.busy = False
         # What a batch of one item of each worker takes by its live estimate (trusted ones
@@ -147,6 +150,7 @@ class Replanner:
         # `trigger.confirm` samples running is made again with the profiles scaled to it.
         self._live_s = live_s
         self._slow_streak = 0
+        self._declined: str | None = None  # the drift last logged as not worth a switch
 
     def record(self, model: str, now: float) -> None:
         self.rates.record(model, now)
@@ -156,6 +160,7 @@ class Replanner:
         (a new model's rate is its configured one until measured)."""
         self.cfg = cfg
         self.setup = setup
+        self._since = self._clock()
         names = [m.name for m in cfg.models]
         self.rates.models = names
         planned = self.trigger.planned_rates
@@ -170,16 +175,24 @@ class Replanner:
             rates = self.rates.sample(now)
             if self.busy:
                 continue
-            profiles = self._drifted(now)
-            if profiles is not None:
-                await self.replan(self.trigger.plan_rates(now, rates), profiles)
+            drift = self._drifted(now)
+            if drift is not None:
+                profiles, said = drift
+                if await self.replan(self.trigger.plan_rates(now, rates), profiles):
+                    log.warning("%s; planned again with those latencies scaled", said)
+                    self._declined = None
+                elif said != self._declined:
+                    log.warning("%s; the plan in force is kept: switching workers would "
+                                "cost more than it gains over the %.0f s the plan has lasted",
+                                said, now - self._since)
+                    self._declined = said
             elif self.trigger.should_replan(now, rates, self.rates.noise()):
                 await self.replan(self.trigger.plan_rates(now, rates))
 
-    def _drifted(self, now: float) -> dict[str, Profile] | None:
+    def _drifted(self, now: float) -> tuple[dict[str, Profile], str] | None:
         """The plan's profiles scaled to the live estimates, where these have left them by
         more than `profile_margin` for `trigger.confirm` samples running and the plan in
-        force is `trigger.hold_s` old (logged in one line); else None."""
+        force is `trigger.hold_s` old, and a line that says so; else None."""
         if self._live_s is None or self.cfg.profile_margin is None:
             return None
         served = served_of(self.setup)
@@ -189,36 +202,42 @@ class Replanner:
         if self._slow_streak < self.trigger.confirm or not self.trigger.held(now):
             return None
         self._slow_streak = 0
-        log.warning("profiles: the batches served disagree with the plan's profiles by more "
-                    "than profile_margin %g: %s; planning again with those latencies scaled",
-                    self.cfg.profile_margin, "; ".join(
-                        f"{m} {1000 * ratios[m][0]:.1f} ms a batch of one, planned "
-                        f"{1000 * ratios[m][1]:.1f} ms (x{f:.2f})" for m, f in factors.items()))
-        return profiles
+        return profiles, (
+            f"profiles: the batches served disagree with the plan's profiles by more than "
+            f"profile_margin {self.cfg.profile_margin:g}: " + "; ".join(
+                f"{m} {1000 * ratios[m][0]:.1f} ms a batch of one, planned "
+                f"{1000 * ratios[m][1]:.1f} ms (x{f:.2f})" for m, f in factors.items()))
 
     async def replan(self, rates: dict[str, float],
                      profiles: dict[str, Profile] | None = None) -> bool:
-        """Solve for `rates` in a thread, then hand over; with `profiles` (the plan's
-        corrected to what its batches take) always, else only if it gains (`replan`), with
-        the profiles of the plan in force. False (and the current plan kept) when the solve
-        or the hand-over failed; the reason is logged."""
+        """Solve for `rates` off the loop, then hand over if the new plan is worth the
+        switch (`replan`: its gain over the time the plan in force has lasted against what
+        starting the moved workers costs), with `profiles` (the plan's corrected to what its
+        batches take) or the profiles of the plan in force. False (and the current plan
+        kept) when it is not worth it, or the solve or the hand-over failed (logged)."""
         self.busy = True
         try:
-            solve = (functools.partial(setup_policy, self.cfg, self.slices,
-                                       origin=self._clock(), rates=rates, profiles=profiles,
-                                       replicas=self.setup.replicas,
-                                       guests=self.setup.guests) if profiles is not None
-                     else functools.partial(replan, self.cfg, self.slices, self.setup,
-                                            origin=self._clock(), rates=rates,
-                                            profiles=served_of(self.setup)))
-            setup = await (self.solver.call(solve) if self.solver is not None
-                           else asyncio.to_thread(solve))
-            if setup is None:  # the plan in force predicts as much for these rates
-                self.trigger.planned(self._clock(), rates)
-                log.debug("re-plan for %s kept the plan in force", rates)
+            now = self._clock()
+            solve = functools.partial(
+                replan, self.cfg, self.slices, self.setup, origin=now, rates=rates,
+                profiles=profiles if profiles is not None else served_of(self.setup),
+                horizon_s=now - self._since if self.cfg.adapt.weigh_switch else float("inf"),
+                start_s=self._start_s() if self._start_s is not None else None,
+                correcting=profiles is not None)
+            decided = await (self.solver.call(solve) if self.solver is not None
+                             else asyncio.to_thread(solve))
+            setup = decided.setup
+            if setup is None:
+                if decided.pending:  # better, not yet worth its starts: ask again later
+                    self.trigger.deferred(self._clock())
+                    log.debug("re-plan for %s not yet worth its workers' starts", rates)
+                else:  # the plan in force predicts as much for these rates
+                    self.trigger.planned(self._clock(), rates)
+                    log.debug("re-plan for %s kept the plan in force", rates)
                 return False
             await self._apply(setup, rates)
             self.setup = setup
+            self._since = self._clock()
         except StalePlan:
             log.info("re-plan dropped: the served models changed while it was solved")
             return False

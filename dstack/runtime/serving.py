@@ -248,7 +248,8 @@ class Runtime(EarlyAdmission):
         await self._correct_profiles(ready)
         if adapts:
             self.replanner = Replanner(self.cfg, self.slices, self._hand_over, self._clock,
-                                       self.setup, self._solver, self._live_batch_s)
+                                       self.setup, self._solver, self._live_batch_s,
+                                       self.supervisor.start_times)
             self._adapter = asyncio.create_task(self.replanner.run(), name="dstack-adapt")
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dstack-dispatch")
         self._lag_watch = asyncio.create_task(self._watch_lag(), name="dstack-loop-lag")

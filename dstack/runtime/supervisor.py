@@ -172,6 +172,10 @@ class Supervisor:
         w = self._slots[model].worker
         return w.cfg.slice if w is not None else None
 
+    def start_times(self) -> dict[str, float]:
+        """How long each worker's last start took (spawn to ready), where measured."""
+        return {n: s.start_s for n, s in self._slots.items() if s.start_s is not None}
+
     def restart_info(self, model: str) -> RestartInfo:
         s = self._slots[model]
         if s.state is SlotState.RESTARTING:

@@ -33,11 +33,16 @@ class Simulation:
 
 class SimReplanner:
     """The server's re-planning (`dstack.runtime.replanner`) on the virtual clock: the same
-    rate tracker, trigger and `replan`, with the workers (replicas) it started with."""
+    rate tracker, trigger and `replan`, with the workers (replicas) it started with.
+    `start_s`: how long a worker takes to start, which a re-plan that moves workers must
+    be worth (the server measures its own; the switch itself is instant here)."""
 
     def __init__(self, cfg: DeployConfig, backend: SliceBackend,
-                 profiles: Mapping[str, Profile], setup: PolicySetup) -> None:
+                 profiles: Mapping[str, Profile], setup: PolicySetup,
+                 start_s: float = 0.0) -> None:
         self.cfg, self.backend, self.profiles, self.setup = cfg, backend, profiles, setup
+        self.start_s = {w: start_s for w in setup.policy.slices()} if start_s else {}
+        self.since = 0.0  # when the plan in force was put in force
         self.period_s = cfg.adapt.sample_s
         self.names = [m.name for m in cfg.models]
         self.rates = tracker_for(cfg)
@@ -54,12 +59,20 @@ class SimReplanner:
         if not self.trigger.should_replan(now, rates, self.rates.noise()):
             return None
         rates = self.trigger.plan_rates(now, rates)
-        setup = replan(self.cfg, self.backend, self.setup, origin=now, rates=rates,
-                       profiles=dict(self.profiles))
-        self.trigger.planned(now, rates)
-        if setup is None:  # the plan in force is as good for these rates
+        decided = replan(self.cfg, self.backend, self.setup, origin=now, rates=rates,
+                         profiles=dict(self.profiles),
+                         horizon_s=(now - self.since if self.cfg.adapt.weigh_switch
+                                    else float("inf")),
+                         start_s=self.start_s)
+        setup = decided.setup
+        if setup is None:  # the plan in force is as good, or the switch not yet worth it
+            if decided.pending:
+                self.trigger.deferred(now)
+            else:
+                self.trigger.planned(now, rates)
             return None
-        self.setup = setup
+        self.trigger.planned(now, rates)
+        self.setup, self.since = setup, now
         slices = setup.policy.slices()
         workers = {m.name: (slices[m.name].percent,
                             latency_table_s(setup.profiles[m.name], slices[m.name].percent,
@@ -82,8 +95,9 @@ def backend_for(profiles: Mapping[str, Profile]) -> SliceBackend:
 
 def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arrivals,
              policies: Sequence[PolicyName], duration_s: float, *,
-             timeline_s: float = 0.0) -> Simulation:
+             timeline_s: float = 0.0, start_s: float = 0.0) -> Simulation:
     """Run every policy in `policies` on `arrivals` over [0, duration_s) (then drained).
+    `start_s`: how long a worker takes to start, for `dstack`'s re-plans (`SimReplanner`).
 
     `profiles` are keyed by served model name (`dstack.policies.planning.served_profiles`). A policy
     that cannot be set up (no feasible plan, say) gets a report row with the reason."""
@@ -126,7 +140,7 @@ def simulate(cfg: DeployConfig, profiles: Mapping[str, Profile], arrivals: Arriv
         ]
         replanner = None
         if pcfg.policy is PolicyName.DSTACK and pcfg.adapt.enabled:
-            replanner = SimReplanner(pcfg, backend, profiles, setup)
+            replanner = SimReplanner(pcfg, backend, profiles, setup, start_s)
         t1 = time.perf_counter()
         r = run(setup.policy, models, times, idx, duration_s, estimates=setup.estimates,
                 timeline_s=timeline_s, served=[m.name for m in cfg.models],

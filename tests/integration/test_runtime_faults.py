@@ -17,7 +17,7 @@ from dstack.common.config import DeployConfig, parse_config
 from dstack.common.errors import BackendError
 from dstack.common.slices import SliceBackend
 from dstack.common.types import Profile
-from dstack.policies.planning import PolicySetup, setup_policy
+from dstack.policies.planning import PolicySetup, Replan, setup_policy
 from dstack.runtime.messages import BatchDone
 from dstack.runtime.serving import Runtime
 from server.app import create_app
@@ -113,10 +113,11 @@ def test_a_slow_replan_does_not_stall_health_checks_or_requests(
     cfg = parse_config(config("dstack", tmp_path, slo_ms=3000))
     def slow_replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *,
                     origin: float, rates: dict[str, float],
-                    profiles: dict[str, Profile] | None = None) -> PolicySetup:
+                    profiles: dict[str, Profile] | None = None,
+                    **weighed: object) -> Replan:
         time.sleep(3.0)  # blocks the thread it runs in, as a long solve does
-        return setup_policy(cfg, backend, origin=origin, rates=rates, profiles=profiles,
-                            replicas=current.replicas)  # taken, whatever it predicts
+        return Replan(setup_policy(cfg, backend, origin=origin, rates=rates,
+                                   profiles=profiles, replicas=current.replicas))  # taken
 
     monkeypatch.setattr(replanner_mod, "replan", slow_replan)
 

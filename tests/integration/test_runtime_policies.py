@@ -237,14 +237,15 @@ def test_a_dead_worker_fails_its_requests_at_once_and_is_restarted(tmp_path: Pat
 
 def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path: Path) -> None:
     """Model a is planned for 5 rps and then gets ~110: the rate tracker notices, the plan
-    is re-solved and handed over (shadow workers where a slice changes); every request is
-    answered."""
+    is re-solved and handed over (shadow workers where a slice changes); no request fails
+    and those sent after the switch are answered."""
     write_cpu_profiles(tmp_path, ms_per_item=10.0)
     cfg = config("dstack", tmp_path, slo_ms=3000, max_queue_delay_ms=5)
     cfg["models"][0]["rate_rps"] = 5
     cfg["models"][1]["rate_rps"] = 5
+    # the switch's mechanics, not its timing: taken as soon as it predicts more
     cfg["adapt"] = {"enabled": True, "sample_s": 0.25, "ewma_alpha": 0.6, "drift": 0.5,
-                    "hold_s": 0.5}
+                    "hold_s": 0.5, "weigh_switch": False}
     cfg = parse_config(cfg)
     x = np.zeros((1, 3, 32, 32), np.float32)
 
@@ -258,16 +259,20 @@ def test_a_replan_under_load_switches_workers_without_failing_a_request(tmp_path
             slice_before = rt.current_slice("tiny_a")
             batch_before = rt.plan().for_model("tiny_a").batch  # type: ignore[union-attr]
             tasks = []
-            t_end = time.monotonic() + 30
+            t_end = time.monotonic() + 120  # a bound: it ends once re-planned and switched
             while time.monotonic() < t_end and (rt.replans == 0 or len(tasks) < 600):
                 tasks.append(asyncio.create_task(rt.infer("tiny_a", {"input": x})))
                 if len(tasks) % 20 == 0:
                     tasks.append(asyncio.create_task(rt.infer("tiny_b", {"input": x})))
                 await asyncio.sleep(1 / 110)
             results = await asyncio.gather(*tasks, return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)]
+            # Admission may refuse what it predicts late (a busy or slow machine makes the
+            # batches slow); nothing may fail, and requests are answered after the switch.
+            failed = [r for r in results
+                      if isinstance(r, BaseException) and not isinstance(r, DeadlineRefused)]
             assert rt.replans >= 1, "the rate rose 20x and nothing was re-planned"
             assert not failed, failed[:3]
+            assert any(isinstance(r, dict) for r in results[-100:])
             # At 5 rps each the plan gives each model a core of its own (spatial's lanes);
             # at ~110 rps tiny_a needs more: the re-plan changes its slice or its batch, the
             # worker runs the new plan's slice, and the switch failed nothing (above).
@@ -301,7 +306,8 @@ def test_a_replan_is_solved_in_a_process_of_its_own_that_is_replaced_if_it_dies(
     cfg["models"][0]["rate_rps"] = 5
     cfg["models"][1]["rate_rps"] = 5
     # re-planned below, not by the sampler; in a process (`auto` would be a thread on CPU)
-    cfg["adapt"] = {"enabled": True, "sample_s": 60, "solve_in": "process"}
+    cfg["adapt"] = {"enabled": True, "sample_s": 60, "solve_in": "process",
+                    "weigh_switch": False}
     cfg = parse_config(cfg)
 
     async def main() -> int:

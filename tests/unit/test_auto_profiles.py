@@ -350,6 +350,10 @@ def test_plan_and_simulate_use_this_machines_cache_and_say_where(
     assert main(["simulate", "--config", str(path), "--duration", "1s",
                  "--policies", "dstack"]) == 0
     assert f"profiles: auto -> {ap.cache_dir(cfg)}" in capsys.readouterr().out
+    # a fleet of such machines too
+    assert main(["simulate", "--config", str(path), "--duration", "1s", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"profiles: auto -> {ap.cache_dir(cfg)}" in out and "dstack" in out
 
 
 def test_dstack_profile_measures_into_the_cache_and_prints_a_table(

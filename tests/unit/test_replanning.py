@@ -13,7 +13,10 @@ from dstack.policies.planning import (
     REPLAN_GAIN,
     corrected_profiles,
     latency_ratios,
+    Replan,
+    moved_workers,
     replan,
+    served_of,
     served_profiles,
     setup_policy,
 )
@@ -41,12 +44,16 @@ def test_a_replan_is_taken_only_when_it_predicts_clearly_more() -> None:
     current = setup_policy(cfg, backend, origin=0.0, profiles=profiles)
     planned = {m.name: m.rate_rps for m in cfg.models}
     # the rates it was planned for, or within noise of them: the plan in force stays
-    assert replan(cfg, backend, current, origin=1.0, rates=planned, profiles=profiles) is None
+    assert replan(cfg, backend, current, origin=1.0, rates=planned,
+                  profiles=profiles) == Replan(None)
     near = {m: r * 1.05 for m, r in planned.items()}
-    assert replan(cfg, backend, current, origin=1.0, rates=near, profiles=profiles) is None
-    # resnet50 at 3x: the plan for that predicts more than the one in force
+    assert replan(cfg, backend, current, origin=1.0, rates=near,
+                  profiles=profiles) == Replan(None)
+    # resnet50 at 3x: the plan for that predicts more than the one in force; on a GPU a
+    # worker's start costs the device nothing, so it is taken however young the plan is
     hot = {**planned, "resnet50": 3 * planned["resnet50"]}
-    new = replan(cfg, backend, current, origin=1.0, rates=hot, profiles=profiles)
+    new = replan(cfg, backend, current, origin=1.0, rates=hot, profiles=profiles,
+                 horizon_s=0.0, start_s={w: 30.0 for w in current.policy.slices()}).setup
     assert new is not None and new.plan is not None and current.plan is not None
     assert new.replicas == current.replicas  # the workers it has
     assert new.plan.for_model("resnet50").percent > current.plan.for_model("resnet50").percent
@@ -154,8 +161,9 @@ def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_the
     rp = Replanner(cfg, backend, apply, lambda: 0.0, setup, None, lambda: dict(live))
     assert rp._drifted(1.0) is None  # one sample
     assert rp._drifted(2.0) is None  # two, but the plan is not hold_s old
-    got = rp._drifted(6.0)
-    assert got is not None
+    drift = rp._drifted(6.0)
+    assert drift is not None and "resnet18" in drift[1] and "x3.00" in drift[1]
+    got = drift[0]
     assert got["resnet18"].latency_ms(2, 50.0) == pytest.approx(
         3 * setup.profiles["resnet18"].latency_ms(2, 50.0))
     assert got["mobilenet_v3_small"] is setup.profiles["mobilenet_v3_small"]
@@ -164,3 +172,64 @@ def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_the
     # the new plan's estimates are the live ones: nothing drifts any more
     live = {w: e.estimate_s(1) for w, e in rp.setup.estimates.items()}
     assert [rp._drifted(t) for t in (20.0, 21.0, 30.0)] == [None, None, None]
+
+
+def cpu_mix() -> DeployConfig:
+    return parse_config({
+        "device": "cpu", "policy": "dstack", "profiles": str(ROOT / "profiles" / "cpu"),
+        "models": [{"name": "mobilenet_v3_small", "slo_ms": 60, "max_batch_size": 8,
+                    "rate_rps": 20},
+                   {"name": "resnet18", "slo_ms": 250, "max_batch_size": 8, "rate_rps": 5}]})
+
+
+def test_on_a_cpu_a_replan_that_restarts_workers_waits_until_its_gain_outweighs_the_starts(
+        ) -> None:
+    """resnet18 at 8x its planned rate: the plan for that puts both models on one lane of
+    both cores, a few percent more goodput, but every worker must start again, each start
+    taking a core from serving. A plan 60 s old, with starts of 10 s, is kept; once the
+    plan in force has lasted long enough for the gain to outweigh the starts, it is
+    taken. A new plan that moves no worker is taken at once."""
+    cfg = cpu_mix()
+    backend = CpuSlices((0, 1))
+    current = setup_policy(cfg, backend, origin=0.0)
+    profiles = served_of(current)
+    starts = {w: 10.0 for w in current.policy.slices()}
+    hot = {"mobilenet_v3_small": 20.0, "resnet18": 40.0}
+    new = replan(cfg, backend, current, origin=1.0, rates=hot, profiles=profiles).setup
+    assert new is not None and moved_workers(current, new)
+    assert replan(cfg, backend, current, origin=1.0, rates=hot, profiles=profiles,
+                  horizon_s=60.0, start_s=starts) == Replan(None, pending=True)
+    assert replan(cfg, backend, current, origin=1.0, rates=hot, profiles=profiles,
+                  horizon_s=3600.0, start_s=starts).setup is not None
+    # mobilenet at 10x: the same lanes with other caps, no worker started
+    busy = {"mobilenet_v3_small": 200.0, "resnet18": 5.0}
+    same = replan(cfg, backend, current, origin=1.0, rates=busy, profiles=profiles,
+                  horizon_s=0.0, start_s=starts).setup
+    assert same is not None and not moved_workers(current, same)
+
+
+def test_the_replanner_weighs_a_switch_against_the_time_its_plan_has_lasted() -> None:
+    import asyncio
+
+    from dstack.runtime.replanner import Replanner
+
+    cfg = cpu_mix()
+    backend = CpuSlices((0, 1))
+    setup = setup_policy(cfg, backend, origin=0.0)
+    applied: list[object] = []
+    now = [0.0]
+
+    async def apply(new: object, rates: dict[str, float]) -> None:
+        applied.append(new)
+
+    rp = Replanner(cfg, backend, apply, lambda: now[0], setup, None, None,
+                   lambda: {w: 10.0 for w in setup.policy.slices()})
+    hot = {"mobilenet_v3_small": 20.0, "resnet18": 40.0}
+    now[0] = 60.0
+    assert not asyncio.run(rp.replan(hot)) and not applied
+    # not yet worth it is not "planned for": the trigger asks again for the same rates
+    assert rp.trigger.planned_rates == {"mobilenet_v3_small": 20.0, "resnet18": 5.0}
+    now[0] = 3600.0
+    assert asyncio.run(rp.replan(hot)) and rp.setup is applied[0]
+    # the new plan dates from its switch: another switch must be worth it over its own age
+    assert rp._since == 3600.0
