@@ -96,10 +96,9 @@ def search(lanes: Lanes, *, drop: bool, exact_max: int = EXACT_MAX,
         best = _solve(lanes, cols, drop=drop, warm=warm, complete=complete,
                       time_limit_s=deadline - time.perf_counter())
     except milp.NoSolution:
-        if greedy is None:
-            raise
-        # CBC stopped before it read its warm start back: the greedy plan, unbounded.
-        return replace(greedy, status=SearchStatus(False, False, math.inf, len(cols)))
+        # CBC stopped before it had a solution: the greedy plan, with no bound.
+        return replace(lanes.greedy_plan(),
+                       status=SearchStatus(False, False, math.inf, len(cols)))
     for _ in range(0 if complete or not neighbours else NEIGHBOUR_ROUNDS):
         if not best.status or not best.status.proven or time.perf_counter() >= deadline:
             break

@@ -132,6 +132,8 @@ class SearchStatus:
         return self.proven and self.complete
 
     def describe(self) -> str:
+        if not self.proven and math.isinf(self.gap):
+            return "the greedy plan: CBC found none within the time limit"
         if not self.proven:
             return (f"best found at the time limit, {100 * self.gap:.2f}% below CBC's "
                     f"bound over {self.candidates} candidate lanes")

@@ -87,3 +87,11 @@ def test_the_gap_is_read_from_cbcs_log(tmp_path: Path):
     assert milp._gap(log) == 0.08
     log.write_text("Result - Stopped on time limit\n")  # no solution, no gap
     assert milp._gap(log) == math.inf
+
+
+def test_a_search_out_of_time_still_returns_a_plan_at_least_as_good_as_the_greedy():
+    inst = _many(9, 1)
+    best, _ = solve_lanes(inst, drop=False, time_limit_s=0.0)
+    assert sorted(i for e in best.lanes for i in e.members) == list(range(9))
+    assert best.value >= Lanes(inst).greedy().value * (1 - 1e-6)
+    assert best.status is not None and not best.status.optimal

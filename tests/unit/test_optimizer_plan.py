@@ -142,3 +142,5 @@ def test_plan_stopped_at_the_time_limit_shows_cbcs_gap() -> None:
     assert "optimal (" not in line
     done = SearchStatus(proven=True, complete=False, gap=0.0, candidates=1850)
     assert done.describe() == "optimal over 1850 candidate lanes, not over every lane"
+    none = SearchStatus(proven=False, complete=False, gap=float("inf"), candidates=1850)
+    assert none.describe() == "the greedy plan: CBC found none within the time limit"
