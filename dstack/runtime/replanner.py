@@ -150,6 +150,7 @@ class Replanner:
         # `trigger.confirm` samples running is made again with the profiles scaled to it.
         self._live_s = live_s
         self._slow_streak = 0
+        self._fast_since: dict[str, float] = {}  # model -> since when its batches run faster
         self._declined: str | None = None  # the drift last logged as not worth a switch
 
     def record(self, model: str, now: float) -> None:
@@ -192,11 +193,24 @@ class Replanner:
     def _drifted(self, now: float) -> tuple[dict[str, Profile], str] | None:
         """The plan's profiles scaled to the live estimates, where these have left them by
         more than `profile_margin` for `trigger.confirm` samples running and the plan in
-        force is `trigger.hold_s` old, and a line that says so; else None."""
+        force is `trigger.hold_s` old, and a line that says so; else None. Batches slower
+        than planned count at once; faster ones only once they have been faster for
+        `adapt.down_hold_s`, as a rate that fell does: a burst's batches, slowed by the
+        work beside them, must not be followed down in its lull and up again in the next."""
         if self._live_s is None or self.cfg.profile_margin is None:
             return None
         served = served_of(self.setup)
         ratios = latency_ratios(self.setup, self._live_s())
+        factors = corrected_profiles(self.cfg, served, ratios)[1]
+        for m in list(self._fast_since):
+            if factors.get(m, 1.0) >= 1.0:
+                del self._fast_since[m]
+        for m, f in factors.items():
+            if f < 1.0:
+                self._fast_since.setdefault(m, now)
+        hold = self.cfg.adapt.down_hold_s
+        ratios = {m: r for m, r in ratios.items() if m in factors and (
+            factors[m] > 1.0 or now - self._fast_since[m] >= hold)}
         profiles, factors = corrected_profiles(self.cfg, served, ratios)
         self._slow_streak = self._slow_streak + 1 if factors else 0
         if self._slow_streak < self.trigger.confirm or not self.trigger.held(now):

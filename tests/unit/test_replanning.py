@@ -136,7 +136,8 @@ def test_a_machine_slower_than_its_profiles_is_planned_with_the_latencies_it_mea
 def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_them() -> None:
     """Live estimates 3x the plan's for two samples running, the plan `hold_s` old: the
     re-planner plans again with that model's profile scaled 3x, once; a single slow
-    sample, or one within the margin, changes nothing."""
+    sample, or one within the margin, changes nothing. Faster batches are followed only
+    once they have stayed faster for `down_hold_s`."""
     import asyncio
 
     from dstack.runtime.replanner import Replanner
@@ -172,6 +173,19 @@ def test_batches_that_stay_slower_than_the_plan_says_make_it_plan_again_with_the
     # the new plan's estimates are the live ones: nothing drifts any more
     live = {w: e.estimate_s(1) for w, e in rp.setup.estimates.items()}
     assert [rp._drifted(t) for t in (20.0, 21.0, 30.0)] == [None, None, None]
+
+    # Faster than planned (a burst's slow batches are over): followed only once they have
+    # been faster for down_hold_s (60 s), not in the next lull of a burst.
+    faster = {w: e.estimate_s(1) for w, e in rp.setup.estimates.items()}
+    live = {w: s * (0.5 if public_name(w) == "resnet18" else 1.0) for w, s in faster.items()}
+    assert [rp._drifted(t) for t in (40.0, 41.0, 50.0, 99.0)] == [None] * 4
+    live = dict(faster)  # back as planned: the hold starts again from the next faster one
+    assert rp._drifted(100.0) is None
+    live = {w: s * (0.5 if public_name(w) == "resnet18" else 1.0) for w, s in faster.items()}
+    assert [rp._drifted(t) for t in (101.0, 102.0, 150.0)] == [None] * 3
+    assert rp._drifted(161.0) is None  # one sample past the hold; confirmed by the next
+    drift = rp._drifted(162.0)
+    assert drift is not None and "x0.50" in drift[1]
 
 
 def cpu_mix() -> DeployConfig:
