@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from functools import wraps
@@ -415,7 +416,9 @@ class GrpcEndpoint:
         self.server: grpc.aio.Server | None = None
 
     def bind(self) -> int:
-        """Bind the port; returns it. RuntimeError (grpcio's) when it cannot be bound."""
+        """Bind the port; returns it. OSError, or RuntimeError (grpcio's), when it cannot
+        be bound."""
+        self._probe()
         cfg = self.cfg
         server = grpc.aio.server(
             options=[
@@ -437,6 +440,17 @@ class GrpcEndpoint:
             self.port = server.add_insecure_port(self.address)
         self.server = server
         return self.port
+
+    def _probe(self) -> None:
+        """OSError when the port is taken: found before grpcio, whose C core would also
+        write a line of its own to stderr beside the server's one-line error or warning."""
+        if not self.port:
+            return
+        family, _, _, _, addr = socket.getaddrinfo(self.host, self.port,
+                                                   type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
 
     async def start(self) -> None:
         assert self.server is not None, "bind() first"

@@ -11,9 +11,9 @@ from dstack.common.config import DeployConfig, PolicyName, parse_config
 from dstack.common.slices import CpuSlices, MpsSlices
 from dstack.policies.planning import (
     REPLAN_GAIN,
+    Replan,
     corrected_profiles,
     latency_ratios,
-    Replan,
     moved_workers,
     replan,
     served_of,
