@@ -183,8 +183,9 @@ class Replanner:
                     log.warning("%s; planned again with those latencies scaled", said)
                     self._declined = None
                 elif said != self._declined:
-                    log.warning("%s; the plan in force is kept: switching workers would "
-                                "cost more than it gains over the %.0f s the plan has lasted",
+                    log.warning("%s; the plan in force is kept: a plan for them predicts "
+                                "too little more for the workers it would start (the plan "
+                                "in force has lasted %.0f s; asked again later)",
                                 said, now - self._since)
                     self._declined = said
             elif self.trigger.should_replan(now, rates, self.rates.noise()):
