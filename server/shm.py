@@ -321,19 +321,10 @@ class ShmRegistry:
 
     def unregister_system(self, name: str | None = None) -> None:
         """Unregister `name` (None: every region). An unknown name is no error (Triton's)."""
-        names = list(self.system) if name is None else [name]
-        for n in names:
-            region = self.system.pop(n, None)
-            if region is not None:
-                region.close()
+        _unregister(self.system, name)
 
     def system_status(self, name: str | None = None) -> list[dict[str, Any]]:
-        if name is None:
-            return [r.status() for r in self.system.values()]
-        region = self.system.get(name)
-        if region is None:
-            raise RequestError(f"no system shared memory region {name!r} is registered")
-        return [region.status()]
+        return _status(self.system, name, "system")
 
     # ------------------------------------------------------------------ CUDA
 
@@ -364,20 +355,11 @@ class ShmRegistry:
 
     def unregister_cuda(self, name: str | None = None) -> None:
         self._need_cuda()
-        names = list(self.cuda) if name is None else [name]
-        for n in names:
-            region = self.cuda.pop(n, None)
-            if region is not None:
-                region.close()
+        _unregister(self.cuda, name)
 
     def cuda_status(self, name: str | None = None) -> list[dict[str, Any]]:
         self._need_cuda()
-        if name is None:
-            return [r.status() for r in self.cuda.values()]
-        region = self.cuda.get(name)
-        if region is None:
-            raise RequestError(f"no CUDA shared memory region {name!r} is registered")
-        return [region.status()]
+        return _status(self.cuda, name, "CUDA")
 
     # ------------------------------------------------------------------ requests
 
@@ -484,3 +466,21 @@ def cuda_opener() -> tuple[CudaOpener | None, str]:
     from server.cuda_ipc import opener
 
     return opener()
+
+
+def _unregister(regions: dict[str, Any], name: str | None) -> None:
+    """Close and forget `name` in `regions` (None: every one); an unknown name is no error."""
+    for n in list(regions) if name is None else [name]:
+        region = regions.pop(n, None)
+        if region is not None:
+            region.close()
+
+
+def _status(regions: dict[str, Any], name: str | None, kind: str) -> list[dict[str, Any]]:
+    """Triton's status list: every region of `regions`, or `name`'s (400 if unknown)."""
+    if name is None:
+        return [r.status() for r in regions.values()]
+    region = regions.get(name)
+    if region is None:
+        raise RequestError(f"no {kind} shared memory region {name!r} is registered")
+    return [region.status()]
