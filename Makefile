@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-policies bench-batching bench-priority bench-bursty chaos soak clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-policies bench-priority bench-bursty chaos soak clean
 
 setup: $(BUILT)
 
@@ -100,15 +100,6 @@ bench-retry: $(BUILT)
 	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) --clients 2,8 \
 		--refusal-pause 0 --capacity --policies temporal,shared,spatial,dstack,queueing \
 		--out out/bench-retry $(CLOSED_LOOP_ARGS)
-
-# batching: rate against the max-queue-delay window on a load stepping 0.3x -> 1.2x -> 0.3x
-# of capacity, and the gap between batches with and without double buffering: real CPU
-# servers, numbers in out/bench/batching.json (~3 minutes). E.g. BENCH_BATCHING_ARGS=
-# "--phase-seconds 20 --seed 2".
-BENCH_BATCHING_ARGS ?=
-
-bench-batching: $(BUILT)
-	$(PY) -m bench.bench_batching $(BENCH_BATCHING_ARGS)
 
 # The policy suite in the simulator: 40 seeded random mixes and reference-v100, every
 # policy, dstack against the best baseline and the ideal bound (docs/simulator.md; a few
