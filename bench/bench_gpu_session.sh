@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment probe, knee sweep (MPS, CUDA-graph timing), kernel traces,
-# GPU tests, shadow-gap and transfer benches, green-context probe; on request: graphs
+# GPU tests, shadow-gap bench; on request: graphs
 # (bench/bench_gpu_graphs.py: CUDA graphs against eager, side by side), frontend (the
 # server's CPU per answered and per refused request on this host's CPU) and overload (the chaos
 # benchmark's overload scenario on the GPU mix: dstack and spatial side by side, the load
@@ -15,7 +15,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" out/chaos
-STEPS=${1:-"probe sweep trace tests shadow transfer green"}
+STEPS=${1:-"probe sweep trace tests shadow"}
 case " $STEPS " in *" setup "*)
   if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -66,14 +66,6 @@ fi
 if step shadow; then
   timeout 60 python3 bench/bench_gpu_shadow.py --repeat 1 > "$OUT/logs/shadow.txt" 2>&1
   echo "shadow rc=$?" >> "$OUT/summary.txt"; grep '^{' "$OUT/logs/shadow.txt" >> "$OUT/summary.txt"; pack
-fi
-if step transfer; then
-  timeout 60 python3 bench/bench_gpu_transfer.py > "$OUT/logs/transfer.txt" 2>&1
-  echo "transfer rc=$?" >> "$OUT/summary.txt"; grep '^{' "$OUT/logs/transfer.txt" >> "$OUT/summary.txt"; pack
-fi
-if step green; then
-  timeout 40 python3 bench/bench_gpu_green.py > "$OUT/logs/green.txt" 2>&1
-  echo "green rc=$?" >> "$OUT/summary.txt"; tail -c 1500 "$OUT/logs/green.txt" >> "$OUT/summary.txt"; pack
 fi
 # One MPS daemon per GPU: the servers of a step attach to it (CUDA_MPS_PIPE_DIRECTORY).
 mps_start() { MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)"
