@@ -112,10 +112,15 @@ class Malformed:
         self.message = f"malformed {kind} message: {error}"
 
 
-def _lenient(cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
-    def parse(data: bytes) -> Message | Malformed:
+def _lenient(cls: type[Message]) -> Callable[[bytes], Any]:
+    """`cls`'s deserializer, a `Malformed` for bytes that are not one; ModelInferRequest's
+    is `grpc_codec.read_infer_request` (its tensors not copied): an `InferMessage`."""
+    read: Callable[[bytes], Any] = (grpc_codec.read_infer_request
+                                    if cls is pb.ModelInferRequest else cls.FromString)
+
+    def parse(data: bytes) -> Any:
         try:
-            return cls.FromString(data)
+            return read(data)
         except DecodeError as e:
             return Malformed(cls.DESCRIPTOR.name, e)
 
@@ -270,11 +275,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # ------------------------------------------------------------------ infer
 
-    @_rpc(lambda r: f"/v2/models/{r.model_name}/infer")
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+    @_rpc(lambda r: f"/v2/models/{r.msg.model_name}/infer")
+    async def ModelInfer(self, request: grpc_codec.InferMessage, context: Any) -> Any:
         return await self.infer(request, context.peer())
 
-    async def infer(self, msg: pb.ModelInferRequest,
+    async def infer(self, request: grpc_codec.InferMessage,
                     peer: str | None) -> pb.ModelInferResponse:
         """One infer request through the HTTP route's path (`ServingApi`): admitted,
         refused by its batch before its values are converted, run, answered; a failure
@@ -284,11 +289,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         received = time.monotonic()
         t0 = time.perf_counter()
         api = self.api
+        msg = request.msg
         model = msg.model_name
         spec = api.spec_of(model, msg.model_version)  # NOT_FOUND: no label for it
         try:
             api.check_admission(model)
-            head = grpc_codec.parse_request(msg, spec, api.shm.access(peer))
+            head = grpc_codec.parse_request(msg, spec, api.shm.access(peer), request.raw)
             req, outputs = await api.run(model, head, received)
             resp = grpc_codec.encode_response(model, req, outputs, spec, MODEL_VERSION)
         except DStackError as e:
@@ -302,7 +308,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         api.observe_latency(model, time.perf_counter() - t0)
         return resp
 
-    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[grpc_codec.InferMessage],
                                context: grpc.aio.ServicerContext
                                ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request of the stream runs as it comes, side by side with the others
@@ -311,14 +317,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
-        async def one(msg: pb.ModelInferRequest | Malformed) -> None:
-            if isinstance(msg, Malformed):
-                await answers.put(pb.ModelStreamInferResponse(error_message=msg.message))
+        async def one(request: grpc_codec.InferMessage | Malformed) -> None:
+            if isinstance(request, Malformed):
+                await answers.put(pb.ModelStreamInferResponse(error_message=request.message))
                 return
+            msg = request.msg
             try:
                 self.authorize(context, f"/v2/models/{msg.model_name}/infer")
                 resp = pb.ModelStreamInferResponse(
-                    infer_response=await self.infer(msg, context.peer()))
+                    infer_response=await self.infer(request, context.peer()))
             except Exception as e:  # noqa: BLE001 - every request of the stream is answered
                 if isinstance(e, DStackError):
                     message = e.message

@@ -23,6 +23,7 @@ this host) is decided by `SharedMemory.access`, the one gate for both protocols.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import mmap
@@ -400,10 +401,12 @@ class RegistryAccess:
         return OutputTarget(region, offset, size)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_local_peer(peer: str | None) -> bool:
     """Whether a connection's peer is on this host: a loopback address, or a Unix socket
     (`peer` as gRPC's `context.peer()` says it: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000",
-    "unix:/path"; or a bare address, as ASGI's `scope["client"][0]`)."""
+    "unix:/path"; or a bare address, as ASGI's `scope["client"][0]`). Remembered per
+    peer: it is asked for every request, and `ipaddress` takes tens of µs to answer."""
     if not peer:
         return False
     if peer.startswith("unix:"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from dstack.cli import build_parser
@@ -65,6 +66,47 @@ def test_raw_inputs_are_views_of_the_message_and_outputs_go_back_raw() -> None:
     np.testing.assert_array_equal(np.frombuffer(resp.raw_output_contents[1], "<i8"), [7, 8])
     with pytest.raises(BackendError, match="returned no output 'z'"):
         grpc_codec.encode_response("m", req, {"y": outputs["y"]}, SPEC, "1")
+
+
+def test_wire_bytes_read_as_protobuf_reads_them_tensors_not_copied() -> None:
+    req = _request()
+    req.parameters["priority"].int64_param = 2
+    req.outputs.add(name="y")
+    data = req.SerializeToString()
+    read = grpc_codec.read_infer_request(data)
+    assert read.raw is not None and not read.msg.raw_input_contents
+    assert [bytes(r) for r in read.raw] == list(req.raw_input_contents)
+    del req.raw_input_contents[:]
+    assert read.msg == req
+    head = grpc_codec.parse_request(read.msg, SPEC, None, read.raw)
+    a = head.binary_inputs["a"]
+    assert np.shares_memory(a, np.frombuffer(data, np.uint8)) and not a.flags.writeable
+    np.testing.assert_array_equal(a, [[0, 1], [2, 3]])
+    # fields in any order, raw contents between the others: protobuf's answer all the same
+    parts = [pb.ModelInferRequest(raw_input_contents=[b"\x01" * 8]).SerializeToString(),
+             pb.ModelInferRequest(model_name="m", id="x").SerializeToString(),
+             pb.ModelInferRequest(raw_input_contents=[b"", b"\x02"]).SerializeToString()]
+    read = grpc_codec.read_infer_request(b"".join(parts))
+    assert read.msg.model_name == "m" and read.msg.id == "x"
+    assert [bytes(r) for r in read.raw or ()] == [b"\x01" * 8, b"", b"\x02"]
+    # without raw contents: the message as protobuf parsed it
+    plain = grpc_codec.read_infer_request(pb.ModelInferRequest(model_name="m").SerializeToString())
+    assert plain.raw is None and plain.msg.model_name == "m"
+    odd = b"\x38\x01"  # raw_input_contents as a varint: an unknown field to protobuf
+    assert grpc_codec.read_infer_request(odd).msg == pb.ModelInferRequest.FromString(odd)
+
+
+@pytest.mark.parametrize("data", [
+    _request().SerializeToString()[:-3],  # a raw tensor cut short
+    b"\x3a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # a length past 64 bits
+    b"\x0b",  # a group never closed
+    b"\x00",  # field number 0
+])
+def test_malformed_wire_bytes_fail_as_protobuf_fails(data: bytes) -> None:
+    with pytest.raises(DecodeError):
+        pb.ModelInferRequest.FromString(data)
+    with pytest.raises(DecodeError):
+        grpc_codec.read_infer_request(data)
 
 
 def test_typed_contents_are_checked_as_json_data_is() -> None:
