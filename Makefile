@@ -7,7 +7,7 @@ BUILT := $(VENV)/.built-stamp
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-policies bench-priority bench-bursty chaos soak clean
+.PHONY: setup browser serve test lint loadtest bench bench-closed-loop bench-retry bench-triton bench-policies bench-priority bench-bursty chaos soak clean
 
 setup: $(BUILT)
 
@@ -100,6 +100,27 @@ bench-retry: $(BUILT)
 	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) --clients 2,8 \
 		--refusal-pause 0 --capacity --policies temporal,shared,spatial,dstack,queueing \
 		--out out/bench-retry $(CLOSED_LOOP_ARGS)
+
+# dstack beside Triton itself: PyTriton 0.7.0's tritonserver in a venv of its own (.venv-triton,
+# made on first use, with the same torch), serving the same models with the same batching
+# (bench/pytriton_serve.py). The closed loop of bench-retry (2 and 8 retrying clients per
+# model, dstack and triton) and bench_protocols' HTTP, gRPC and system shm (8 and 64 client
+# threads), 10 s windows; dstack / Triton for each (~10 minutes, the venv's install apart).
+TRITON_VENV ?= .venv-triton
+TRITON_PY := $(TRITON_VENV)/bin/python
+TRITON_STAMP := $(TRITON_VENV)/.installed-stamp
+
+$(TRITON_STAMP): bench/pytriton_sitecustomize.py
+	test -x $(TRITON_PY) || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_PY) -m pip install -q nvidia-pytriton==0.7.0 torch==2.14.1 torchvision==0.29.1
+	cp bench/pytriton_sitecustomize.py \
+		"$$($(TRITON_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/sitecustomize.py"
+	touch $(TRITON_STAMP)
+
+bench-triton: $(BUILT) $(TRITON_STAMP)
+	$(PY) -m bench.bench_closed_loop --duration $(CLOSED_LOOP_DURATION) --clients 2,8 \
+		--refusal-pause 0 --policies dstack --triton-python $(TRITON_PY) --out out/bench-triton
+	$(PY) -m bench.bench_protocols --seconds 10 --clients 8,64 --triton-python $(TRITON_PY)
 
 # The policy suite in the simulator: 40 seeded random mixes and reference-v100, every
 # policy, dstack against the best baseline and the ideal bound (docs/simulator.md; a few

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from bench.bench_triton import triton_serving
 from bench.closed_loop import REFUSAL_PAUSE_S, TIMEOUT_S, Counts, Target, closed_loop
 from bench.fitted import fitted_config, one_core_capacity
 from bench.servers import ROOT, models_of, peak_rss_mb, serving
@@ -40,19 +41,23 @@ POLICIES = ("temporal", "shared", "spatial", "dstack")
 QUEUEING = "queueing"
 #: The SLO the queueing server is given: none that a request could reach.
 NO_SLO_MS = 600_000.0
+#: Triton itself (`--triton-python`): PyTriton serving the mix's models with its batch
+#: limits and queue delays (`bench.bench_triton`), judged by the same SLOs.
+TRITON = "triton"
 
 
 def mix_config(policy: str, outdir: Path, settings: Sequence[str] = ()
                ) -> tuple[Path, dict[str, float]]:
     """`configs/bench-mix-<policy>.yaml` fitted to this machine (`bench.fitted`), with
     `settings` (`key.sub=YAML value`) applied, and the SLOs (ms) its answers are judged by."""
-    base = ROOT / f"configs/bench-mix-{'shared' if policy == QUEUEING else policy}.yaml"
+    reference = policy in (QUEUEING, TRITON)
+    base = ROOT / f"configs/bench-mix-{'shared' if reference else policy}.yaml"
     config, _ = fitted_config(base, outdir)
     slos = {m["name"]: float(m["slo_ms"]) for m in models_of(config)}
-    if policy != QUEUEING and not settings:
+    if not reference and not settings:
         return config, slos
     raw = yaml.safe_load(config.read_text())
-    if policy == QUEUEING:
+    if reference:
         for m in raw["models"]:
             m["slo_ms"] = NO_SLO_MS
     for setting in settings:
@@ -69,11 +74,19 @@ def mix_config(policy: str, outdir: Path, settings: Sequence[str] = ()
 
 def run_policy(policy: str, outdir: Path, *, clients: int, duration_s: float,
                timeout_s: float = TIMEOUT_S, refusal_pause_s: float = REFUSAL_PAUSE_S,
-               settings: Sequence[str] = ()) -> tuple[dict[str, Counts], dict[str, float]]:
-    """Serve the bench mix under `policy` (`mix_config`) and run the closed loop against
-    it: the outcomes per model, and the peak RSS (MB) of the server and its workers."""
+               settings: Sequence[str] = (), triton_python: str = ""
+               ) -> tuple[dict[str, Counts], dict[str, float]]:
+    """Serve the bench mix under `policy` (`mix_config`; `TRITON`: PyTriton under
+    `triton_python`) and run the closed loop against it: the outcomes per model, and the
+    peak RSS (MB) of the server and its workers (none for Triton)."""
     config, slos = mix_config(policy, outdir, settings)
-    with serving(config, outdir / f"server-closed-loop-{policy}.log") as srv:
+    log = outdir / f"server-closed-loop-{policy}.log"
+    if policy == TRITON:
+        with triton_serving(triton_python, config, log) as triton:
+            targets = [Target.from_server(triton.host, m, slo) for m, slo in slos.items()]
+            return closed_loop(triton.host, targets, clients, duration_s, timeout_s=timeout_s,
+                               refusal_pause_s=refusal_pause_s), {}
+    with serving(config, log) as srv:
         targets = [Target.from_server(srv.host, m, slo) for m, slo in slos.items()]
         counts = closed_loop(srv.host, targets, clients, duration_s, timeout_s=timeout_s,
                              refusal_pause_s=refusal_pause_s)
@@ -142,7 +155,7 @@ def ratios(goodput: dict[str, float], capacity: float | None) -> list[str]:
     if "dstack" not in goodput:
         return []
     d = goodput["dstack"]
-    others = {p: g for p, g in goodput.items() if p not in ("dstack", QUEUEING)}
+    others = {p: g for p, g in goodput.items() if p not in ("dstack", QUEUEING, TRITON)}
     out = []
     if others:
         best = max(others, key=others.__getitem__)
@@ -151,6 +164,9 @@ def ratios(goodput: dict[str, float], capacity: float | None) -> list[str]:
     if goodput.get(QUEUEING) is not None:
         q = goodput[QUEUEING]
         out.append(f"dstack / queueing (no SLO at the server): {d / q if q else float('inf'):.2f}")
+    if goodput.get(TRITON) is not None:
+        t = goodput[TRITON]
+        out.append(f"dstack / triton (PyTriton's tritonserver): {d / t if t else float('inf'):.2f}")
     if capacity:
         out.append(f"dstack / in-process capacity within SLO ({capacity:.1f} rps): "
                    f"{d / capacity:.2f}")
@@ -190,11 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config setting for every server, e.g. server.hold_refusals=false "
                          "or profile_margin=null (repeatable)")
+    ap.add_argument("--triton-python", default="", metavar="PYTHON",
+                    help=f"add `{TRITON}`: Triton serving the mix (PyTriton under this Python, "
+                         "as set up by `make bench-triton`), judged by the same SLOs")
     ap.add_argument("--out", default="out/bench")
     args = ap.parse_args(argv)
     outdir = ROOT / args.out
     outdir.mkdir(parents=True, exist_ok=True)
     policies = [p for p in args.policies.split(",") if p]
+    if args.triton_python and TRITON not in policies:
+        policies.append(TRITON)
     t_all = time.monotonic()
     results: dict[str, Any] = {
         "duration_s": args.duration, "clients_per_model": args.clients,
@@ -216,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 counts, rss = run_policy(pol, outdir, clients=clients,
                                          duration_s=args.duration, timeout_s=args.timeout,
                                          refusal_pause_s=args.refusal_pause,
-                                         settings=args.set)
+                                         settings=args.set,
+                                         triton_python=args.triton_python)
             except RuntimeError as e:
                 failed = True
                 runs[pol] = {"error": str(e)[-2000:]}

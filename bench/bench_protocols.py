@@ -3,13 +3,17 @@ HTTP with binary tensors, gRPC, and system shared memory (over HTTP and over gRP
 a 600 KB batch-1 request of a model of next to no compute (`pool_linear`, the accept-cost
 model of `bench.bench_chaos`: what the server's own process spends, not the model).
 
-The server's CPU (its own process, user + kernel, from /proc/PID/stat; its worker apart)
-is read before and after `--requests` requests of each protocol, sent by `--clients`
-threads with unmodified tritonclient clients (each shared-memory client with its own input
-and output regions), after `--warmup` requests of it. Printed: CPU per request, requests
-a second, and the ratio of each to HTTP's; written to out/bench/protocols.json.
+The server's CPU (user + kernel, from /proc/PID/stat: its own process, and all of its
+processes, the worker too) is read before and after `--seconds` of each protocol, sent in
+closed loop by each of `--clients` threads with unmodified tritonclient clients (each
+shared-memory client with its own input and output regions), after `--warmup` requests of
+it. With `--triton-python`, Triton (PyTriton, `bench.bench_triton`) serves the same model
+with the same batching beside it and each window runs against both in turn (its own
+process: tritonserver; all: with PyTriton's Python process, where the model runs, and the
+Python backend's stub). Printed: CPU per request, requests a second, the ratio of each to
+HTTP's, and dstack / Triton; written to out/bench/protocols.json.
 
-    python -m bench.bench_protocols --requests 400 --clients 4
+    python -m bench.bench_protocols --seconds 10 --clients 8,64 [--triton-python PYTHON]
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +36,9 @@ import tritonclient.utils.shared_memory as shm
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from bench.bench_triton import triton_serving
 from bench.chaos_load import cpu_user_sys_s
-from bench.servers import ROOT, free_port, serving
+from bench.servers import ROOT, free_port, get_json, serving
 
 OUT = ROOT / "out" / "bench"
 MODEL = "image"
@@ -88,16 +96,27 @@ class Client:
         self.client.close()
 
 
-def measure(protocol: str, pid: int, make: Callable[[str], Client], n: int, warmup: int,
-            clients: int) -> dict[str, float]:
-    """`n` requests of `protocol` from `clients` threads (each its own client, made, used
-    and closed in its thread: tritonclient.http's connections belong to their thread),
-    after `warmup`; the server's CPU read between the barriers, without the clients'
-    set-up and tear-down (registering and unregistering regions)."""
-    k = n // clients
-    start, done, read = (threading.Barrier(clients + 1) for _ in range(3))
+def processes(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    out = [pid]
+    for p in out:
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            out += map(int, children.read_text().split())
+    return out
+
+
+def measure(protocol: str, pids: list[int], make: Callable[[str], Client], seconds: float,
+            warmup: int, clients: int) -> dict[str, float]:
+    """`clients` threads (each its own client, made, used and closed in its thread:
+    tritonclient.http's connections belong to their thread) sending `protocol`'s requests
+    back to back for `seconds`, after `warmup`; the CPU of `pids` (the first: the server's
+    own process) read between the barriers, without the clients' set-up and tear-down
+    (registering and unregistering regions)."""
+    end = [0.0]
+    start = threading.Barrier(clients + 1, lambda: end.append(time.perf_counter() + seconds))
+    done, read = threading.Barrier(clients + 1), threading.Barrier(clients + 1)
     errors: list[BaseException] = []
-    refused = [0] * clients
+    sent, refused = [0] * clients, [0] * clients
 
     def run(i: int) -> None:
         c = None
@@ -106,8 +125,9 @@ def measure(protocol: str, pid: int, make: Callable[[str], Client], n: int, warm
             for _ in range(max(1, warmup // clients)):
                 c.send()
             start.wait()
-            for _ in range(k):
+            while time.perf_counter() < end[-1]:
                 refused[i] += not c.send()
+                sent[i] += 1
         except BaseException as e:  # noqa: BLE001 - reported after the join
             errors.append(e)
             for b in (start, done, read):
@@ -121,16 +141,20 @@ def measure(protocol: str, pid: int, make: Callable[[str], Client], n: int, warm
             if c is not None:
                 c.close()
 
+    def cpu() -> tuple[float, float, float]:
+        user, kernel = cpu_user_sys_s(pids[0])
+        return user, kernel, sum(sum(cpu_user_sys_s(p)) for p in pids)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     try:
         start.wait()
-        u0, s0 = cpu_user_sys_s(pid)
+        u0, s0, a0 = cpu()
         t0 = time.perf_counter()
         done.wait()
         wall = time.perf_counter() - t0
-        u1, s1 = cpu_user_sys_s(pid)
+        u1, s1, a1 = cpu()
         read.wait()
     except threading.BrokenBarrierError:
         pass
@@ -138,58 +162,70 @@ def measure(protocol: str, pid: int, make: Callable[[str], Client], n: int, warm
         t.join()
     if errors:
         raise errors[0]
-    sent = k * clients
-    return {"cpu_us": 1e6 * (u1 - u0 + s1 - s0) / sent, "user_us": 1e6 * (u1 - u0) / sent,
-            "kernel_us": 1e6 * (s1 - s0) / sent, "per_s": sent / wall, "requests": sent,
-            "refused": sum(refused)}
+    n = sum(sent)
+    return {"cpu_us": 1e6 * (u1 - u0 + s1 - s0) / n, "user_us": 1e6 * (u1 - u0) / n,
+            "kernel_us": 1e6 * (s1 - s0) / n, "all_cpu_us": 1e6 * (a1 - a0) / n,
+            "per_s": n / wall, "requests": n, "refused": sum(refused)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=400, help="requests per protocol")
+    p.add_argument("--seconds", type=float, default=10, help="closed loop per protocol")
     p.add_argument("--warmup", type=int, default=40, help="requests per protocol first")
-    p.add_argument("--clients", type=int, default=4, help="client threads")
+    p.add_argument("--clients", default="8,64", help="client threads; several run in turn")
     p.add_argument("--protocols", default=",".join(PROTOCOLS),
                    help=f"comma-separated, of {', '.join(PROTOCOLS)}")
+    p.add_argument("--triton-python", default="", metavar="PYTHON",
+                   help="also Triton: PyTriton under this Python (`make bench-triton`)")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     grpc_port = free_port()
     cfg = OUT / "protocols.yaml"
     cfg.write_text(yaml.safe_dump({**CONFIG, "server": {
         "frontends": 1, "grpc_port": grpc_port, "allow_client_shm": True}}))
-    rows: dict[str, dict[str, float]] = {}
-    with serving(cfg, OUT / "protocols.log") as srv:
-        meta = json.loads(_get(f"{srv.host}/v2/models/{MODEL}"))
-        shape = [1, *meta["inputs"][0]["shape"][1:]]
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        srv = stack.enter_context(serving(cfg, OUT / "protocols.log"))
+        servers = {"dstack": (srv.host, f"127.0.0.1:{grpc_port}", processes(srv.pid))}
+        if args.triton_python:
+            t = stack.enter_context(triton_serving(args.triton_python, cfg,
+                                                   OUT / "protocols-triton.log"))
+            pids = processes(t.pid)  # tritonserver first: the server's own process
+            pids.sort(key=lambda q: Path(f"/proc/{q}/comm").read_text().strip() != "tritonserver")
+            servers["triton"] = (t.host, t.grpc_url, pids)
+        meta = get_json(f"{srv.host}/v2/models/{MODEL}")
         out_bytes = 4 * int(np.prod(meta["outputs"][0]["shape"][1:]))
-        x = np.random.default_rng(0).random(shape, dtype=np.float32)
-        http_url = srv.host.removeprefix("http://")
-        for protocol in args.protocols.split(","):
-            rows[protocol] = measure(
-                protocol, srv.pid,
-                lambda tag, pr=protocol: Client(pr, http_url, f"127.0.0.1:{grpc_port}", x,
-                                                out_bytes, tag),
-                args.requests, args.warmup, args.clients)
-    base = rows.get("http")
+        x = np.random.default_rng(0).random([1, *meta["inputs"][0]["shape"][1:]],
+                                            dtype=np.float32)
+        for clients in map(int, args.clients.split(",")):
+            for protocol in args.protocols.split(","):
+                for name, (host, grpc_url, pids) in servers.items():
+                    make = partial(Client, protocol, host.removeprefix("http://"), grpc_url, x,
+                                   out_bytes)
+                    rows.append({"server": name, "protocol": protocol, "clients": clients,
+                                 **measure(protocol, pids, make, args.seconds, args.warmup,
+                                           clients)})
     print(f"server CPU per {x.nbytes / 1000:.0f} KB batch-1 request ({MODEL}: pool_linear), "
-          f"{args.requests} requests each, {args.clients} client threads")
-    print(f"{'protocol':10s} {'CPU us':>8s} {'user':>7s} {'kernel':>7s} {'req/s':>8s} "
-          f"{'CPU/HTTP':>9s} {'req/s/HTTP':>11s} {'refused':>8s}")
-    for name, r in rows.items():
-        ratio = f"{r['cpu_us'] / base['cpu_us']:9.2f}" if base else f"{'':9s}"
-        rate = f"{r['per_s'] / base['per_s']:11.2f}" if base else ""
-        print(f"{name:10s} {r['cpu_us']:8.0f} {r['user_us']:7.0f} {r['kernel_us']:7.0f} "
-              f"{r['per_s']:8.0f} {ratio} {rate} {r['refused']:8.0f}")
+          f"{args.seconds:g} s of each, closed loop; CPU: the server's own process, and all")
+    print(f"{'clients':>7s} {'protocol':9s} {'server':7s} {'req/s':>7s} {'CPU us':>7s} "
+          f"{'user':>6s} {'kernel':>6s} {'all us':>7s} {'CPU/HTTP':>8s} {'req/s/HTTP':>10s} "
+          f"{'refused':>7s}")
+    by = {(r["server"], r["protocol"], r["clients"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["server"], "http", r["clients"]))
+        print(f"{r['clients']:7d} {r['protocol']:9s} {r['server']:7s} {r['per_s']:7.0f} "
+              f"{r['cpu_us']:7.0f} {r['user_us']:6.0f} {r['kernel_us']:6.0f} "
+              f"{r['all_cpu_us']:7.0f} "
+              + (f"{r['cpu_us'] / base['cpu_us']:8.2f} {r['per_s'] / base['per_s']:10.2f} "
+                 if base else f"{'':8s} {'':10s} ") + f"{r['refused']:7d}")
+    for r in rows:
+        if r["server"] == "dstack" and (tr := by.get(("triton", r["protocol"], r["clients"]))):
+            print(f"dstack / Triton, {r['protocol']}, {r['clients']} clients: req/s "
+                  f"{r['per_s'] / tr['per_s']:.2f}, CPU per request (all processes) "
+                  f"{r['all_cpu_us'] / tr['all_cpu_us']:.2f}")
     (OUT / "protocols.json").write_text(json.dumps(
         {"input_bytes": int(x.nbytes), "args": vars(args), "rows": rows}, indent=1))
     return 0
-
-
-def _get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return str(r.read().decode())
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """Benchmark: dstack against Triton on issue 2's single-model figure, side by side.
 
 resnet18 served by dstack (`configs/bench-single-resnet18-shared.yaml`) and by Triton
-(`bench/pytriton_resnet18.py`: PyTriton's Triton server, same batching settings, the model
+(`bench/pytriton_serve.py`: PyTriton's Triton server, same batching settings, the model
 in a Python process), each under 8 tritonclient aio clients in closed loop, in 1 s windows
 alternating in random order with 1 s windows of the model in process at b2, b4, b8 in turn
 (`make bench`'s method, `bench.ceiling.ceiling_ratio`). Prints each server's goodput
 against the in-process ceiling and dstack / Triton per round. PyTriton is not a dependency
-of dstack; it lives in a virtual environment of its own:
+of dstack; it lives in a virtual environment of its own, `.venv-triton`, which
+`make bench-triton` makes (nvidia-pytriton 0.7.0, torch, torchvision and
+`bench/pytriton_sitecustomize.py`) before it runs `bench.bench_closed_loop` and
+`bench.bench_protocols` with `--triton-python`; `triton_serving` here starts Triton for them.
 
-    python3 -m venv .venv-triton
-    .venv-triton/bin/pip install nvidia-pytriton==0.7.0 torch==2.14.1 torchvision==0.29.1
-    cp bench/pytriton_sitecustomize.py .venv-triton/lib/python3.11/site-packages/sitecustomize.py
     .venv/bin/python bench/bench_triton.py --python .venv-triton/bin/python [--rounds 30]
 """
 
@@ -25,6 +25,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,27 +36,43 @@ if not __package__:  # run as a script: bench/ is on sys.path, the repository ro
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.ceiling import InProcess, ceiling_ratio, figure  # noqa: E402
 from bench.loads import TritonClients  # noqa: E402
-from bench.servers import ROOT, free_port, interrupt, serving  # noqa: E402
+from bench.servers import ROOT, free_port, interrupt, models_of, serving  # noqa: E402
 
 SLO_MS = 3000.0
 
 
-def start_triton(python: str, port: int, log: Path, timeout_s: float = 120
-                 ) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([python, str(ROOT / "bench" / "pytriton_resnet18.py"), str(port)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"PyTriton exited ({proc.returncode}); see {log}")
-        try:
-            with urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/v2/models/resnet18/ready", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(0.5)
-    interrupt(proc, 30)
-    raise RuntimeError(f"PyTriton not ready in {timeout_s:g} s; see {log}")
+@dataclass
+class TritonServer:
+    host: str  # http://127.0.0.1:PORT
+    grpc_url: str  # 127.0.0.1:PORT
+    pid: int  # PyTriton's process, where the models run; tritonserver is its child
+
+
+@contextmanager
+def triton_serving(python: str, config: Path, log: Path, timeout_s: float = 180
+                   ) -> Iterator[TritonServer]:
+    """The models of a dstack `config` behind PyTriton (`bench/pytriton_serve.py`) under
+    `python`, on free 127.0.0.1 ports, ready; stopped by PID on every path."""
+    ports = [free_port() for _ in range(3)]
+    entries = models_of(config)
+    proc = subprocess.Popen([python, str(ROOT / "bench" / "pytriton_serve.py"), *map(str, ports),
+                             json.dumps(entries)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    host = f"http://127.0.0.1:{ports[0]}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        pending = [m["name"] for m in entries]
+        while pending:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"PyTriton not ready in {timeout_s:g} s "
+                                   f"(exit code {proc.poll()}); see {log}")
+            try:
+                urllib.request.urlopen(f"{host}/v2/models/{pending[0]}/ready", timeout=2).close()
+                pending.pop(0)
+            except OSError:
+                time.sleep(0.5)
+        yield TritonServer(host, f"127.0.0.1:{ports[1]}", proc.pid)
+    finally:
+        interrupt(proc, 30)  # PyTriton stops its tritonserver child
 
 
 async def measure(hosts: dict[str, str], direct: InProcess, rounds: int
@@ -86,16 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    triton = start_triton(args.python, port, out.with_suffix(".log"))
-    try:
-        with serving(ROOT / "configs/bench-single-resnet18-shared.yaml",
-                     out.with_name("server-triton-compare.log")) as srv, \
-                InProcess("resnet18", sorted(os.sched_getaffinity(0))) as direct:
-            res = asyncio.run(measure({"dstack": srv.host, "triton": f"http://127.0.0.1:{port}"},
-                                      direct, args.rounds))
-    finally:
-        interrupt(triton, 30)  # PyTriton stops its tritonserver child
+    config = ROOT / "configs/bench-single-resnet18-shared.yaml"
+    with triton_serving(args.python, config, out.with_suffix(".log")) as triton, \
+            serving(config, out.with_name("server-triton-compare.log")) as srv, \
+            InProcess("resnet18", sorted(os.sched_getaffinity(0))) as direct:
+        res = asyncio.run(measure({"dstack": srv.host, "triton": triton.host}, direct,
+                                  args.rounds))
     out.write_text(json.dumps(res, indent=1))
     for k in ("dstack", "triton"):
         fig = ceiling_ratio(res[k], res["ceiling"], res["batch"])
