@@ -1,44 +1,32 @@
 """`make chaos` (`python -m bench.bench_chaos`): overload, faults and hostile clients against
-real `dstack serve` processes on 127.0.0.1 (bench/servers.py `serving`), each scenario
-bounded in count and time, and ONE table:
-
-  scenario | sent | in SLO | refused (by reason) | 4xx other | 5xx | hung | conn | server
-  peak / final RSS
-
-Scenarios (docs/limits.md has the figures):
+real `dstack serve` processes on 127.0.0.1, each scenario bounded in count and time, and ONE
+table (scenario | sent | in SLO | refused by reason | 4xx | 5xx | hung | conn | server peak /
+final RSS), then each scenario's notes; every number in out/chaos/chaos.json. Scenarios
+(figures in docs/limits.md):
 
 - overload: `configs/bench-mix-{dstack,spatial}.yaml` under open-loop Poisson at 1x, 2x and
-  4x of capacity (the mix's `rate_rps` ratio; capacity = the multiple of it with the most
-  goodput within SLO in a short ramp, or `--capacity-scale`). Both policies' servers run
-  side by side; in each of three rounds, at each level, each policy in turn (the order
-  reversed every other round) gets a window. Reported: goodput within SLO at 2x and 4x as a
-  ratio of 1x (target >= 0.90), the share of accepted requests answered within SLO
-  (>= 99%), and the p99 time to a refusal, client side (< 5 ms). Each round ends with a
-  control window per policy: 1x while a process burns the CPU the load generator took at
-  4x beyond 1x (CONTROL);
-- kill -9 of the resnet18 worker (PID from the server log) under 0.7x load;
-- 20 concurrent ~20 MB JSON bodies (sent by a child process), with other traffic's p99 per
-  model during them against unloaded,
-  and the server's RSS after against before;
-- over the limit: 64 bodies of 32 MiB to a 1 MiB limit, 8 kept-alive connections at a time
-  with http.client (the whole body sent before the answer is read; declared and chunked,
-  with and without `Connection: close`): every one must read its 413, not a reset, and
-  the server's open sockets come back;
-- slowloris: 1,000 half-sent headers kept open (as many as the default connection cap),
-  normal traffic (a new connection per request) meanwhile: its p99 against unloaded, its
-  503s, and every stalled socket closed within the header timeout;
+  4x of capacity (a multiple of the mix's `rate_rps`: the one with the most goodput within
+  SLO in a short ramp, or `--capacity-scale`). The servers run side by side; in each of
+  `--reps` rounds, at each level, each gets a window in turn (the order reversed every
+  other round). Reported: goodput at 2x and 4x as a ratio of 1x (target >= 0.90), the share
+  of accepted requests answered within SLO (>= 99%), the p99 time to a refusal (< 5 ms);
+  each round ends with a control window per policy (CONTROL);
+- kill -9 of the resnet18 worker under 0.7x load;
+- storms of concurrent ~20 MB JSON bodies from a child process: other traffic's p99 per
+  model during them against unloaded, the server's RSS after against before;
+- over the limit: 32 MiB bodies to a 1 MiB limit on kept-alive connections: every one
+  reads its 413, the server's open sockets come back;
+- slowloris: 1,000 half-sent headers kept open, normal traffic on new connections meanwhile;
 - stalled uploads: 50 bodies cut half-way (body timeout 5 s here);
 - SIGTERM under load: exit code; every request answered, refused or turned away at
   connect, none hung;
 - the fuzzer (bench/fuzz_requests.py): 100,000 cases on raw sockets: 0 5xx, memory flat;
-- refusal cost: the server's CPU per request refused from its header (600 KB bodies);
-- accept cost: the server's CPU per request answered, a model of next to no compute
-  (600 KB bodies); with front ends, the dispatch process's and the front ends'.
+- refusal cost / accept cost: the server's CPU per request refused from its header, and
+  per request answered by a model of next to no compute (600 KB bodies each).
 
-The load generator shares the machine (2 cores here): client-side figures include its own
-scheduling delays, and what it costs is taken from the workers. It sends with a lean
-client (bench/lean_http.py) as nice as the server (`--load-nice`). Every number is also
-written to out/chaos/chaos.json.
+The load generator shares the machine: client-side figures include its own scheduling
+delays, and what it costs is taken from the workers. It sends with a lean client
+(bench/lean_http.py) as nice as the server (`--load-nice`).
 """
 
 from __future__ import annotations
@@ -69,15 +57,22 @@ from bench.loads import one_item_body
 from bench.servers import (
     ROOT,
     Server,
+    cpu_s,
+    cpu_user_sys_s,
     front_ends,
     frontend_refusals,
     frontends_loop_late,
     get_json,
     loop_late,
+    model_ready,
+    open_sockets,
+    rates_slos,
     refusal_summary,
     refusal_times,
     refusals_since,
+    rss_mb,
     serving,
+    write_config,
 )
 from dstack.common.config import DeployConfig
 from dstack.common.pauses import Lateness, freeze_startup_objects
@@ -98,21 +93,12 @@ def config(policy: str, name: str, server: dict[str, Any] | None = None, *,
            top: dict[str, Any] | None = None) -> Path:
     """The bench mix for `policy` (or TINY) with `server:` and top-level (`top`)
     overrides, under out/chaos."""
-    src = MIX.get(policy, TINY)
-    cfg = yaml.safe_load(src.read_text())
-    cfg["profiles"] = str((src.parent / cfg["profiles"]).resolve())
-    if server:
-        cfg["server"] = server
-    cfg.update(top or {})
-    path = OUT / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(MIX.get(policy, TINY), OUT / f"{name}.yaml", server=server,
+                        **(top or {}))
 
 
 def mix(policy: str) -> tuple[dict[str, float], dict[str, float]]:
-    models = yaml.safe_load(MIX[policy].read_text())["models"]
-    return ({m["name"]: float(m["rate_rps"]) for m in models},
-            {m["name"]: float(m["slo_ms"]) for m in models})
+    return rates_slos(MIX[policy])
 
 
 def row(scenario: str, t: cl.Tally, srv_pid: int | None, **extra: Any) -> Row:
@@ -126,8 +112,8 @@ def row(scenario: str, t: cl.Tally, srv_pid: int | None, **extra: Any) -> Row:
                   k: (round(cl.pct(v, 50), 1), round(cl.pct(v, 99), 1))
                   for k, v in sorted(t.refusal_ms_by_reason.items())}}
     if srv_pid is not None:
-        r["peak_rss_mb"] = cl.rss_mb(srv_pid, "VmHWM:")
-        r["final_rss_mb"] = cl.rss_mb(srv_pid)
+        r["peak_rss_mb"] = rss_mb(srv_pid, "VmHWM:")
+        r["final_rss_mb"] = rss_mb(srv_pid)
     r.update(extra)
     print(f"  {scenario}: sent {t.sent}, in SLO {t.ok}, late {t.late}, refused "
           f"{dict(t.refused)}, 4xx {t.other_4xx}, 5xx {t.err_5xx}, hung {t.hung}, "
@@ -141,26 +127,21 @@ def _fmt(v: Any) -> str:
 
 
 #: How much nicer than this process the measured load runs (`run`: the open-loop clients
-#: and the health probe; `--load-nice`). 0: in production a client has cores of its own
-#: and never waits behind the workers; here, as nice as the server, it gets a core when it
-#: wakes, as the server does, and times its answers when they come. The CPU it takes is the
-#: same at any niceness (the load is open-loop). At the workers' niceness (10, until
-#: 2026-11-24) it queued behind them for a share of a core at each wake-up: a GET that does
-#: nothing took 5.7-7.0 ms p99 at 2x, 2.2-3.8 ms at nice 0 (`docs/decisions.md`).
+#: and the health probe; `--load-nice`). 0: as a client on cores of its own, which never
+#: waits behind the workers (at the workers' niceness it queued behind them for a share of
+#: a core at each wake-up: docs/decisions.md).
 LOAD_NICE = 0
 
 #: How much nicer the hostile big-body sender runs: as nice as the workers. It is load the
-#: server must survive, not a client it serves (at nice 0, the aiohttp sender of then
-#: took the other model's worker's CPU: 4 s of it per storm).
+#: server must survive, not a client it serves.
 HOSTILE_NICE: int = DeployConfig.model_fields["worker_nice"].default
 
 
 def run(coro: Any) -> Any:
     """`asyncio.run(coro)` in a thread LOAD_NICE nicer (Linux keeps a niceness per thread;
     the servers, started from this thread, keep this process's), after freezing this
-    process's objects: a full collection among the results of earlier windows and the
-    imports took 45 ms here in the middle of a window, and each answer in flight then was
-    timed that much late."""
+    process's objects (a full collection among earlier windows' results took 45 ms in the
+    middle of a window, and each answer in flight was timed that much late)."""
     freeze_startup_objects()
 
     def go() -> Any:
@@ -178,8 +159,7 @@ def run(coro: Any) -> Any:
 def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
               scales: list[float], seconds: float) -> float:
     """The knee: the multiple of `base` that gets the most requests answered within SLO
-    per second in a short ramp. (A ">= 99% within SLO" rule was tried first: on this shared
-    machine one noisy window moved it by 2x from run to run.)"""
+    per second in a short ramp."""
     best, best_good = scales[0], -1.0
     for s in scales:
         res, _, _ = run(cl.open_loop_sharded(srv.host, {m: r * s for m, r in base.items()},
@@ -195,57 +175,51 @@ def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
 
 LEVELS = (1, 2, 4)  # the overload scenario's loads, as multiples of capacity
 #: The control window of each round (`--no-control` leaves it out): 1x of capacity while a
-#: process copies memory for as much CPU as the load generator took at 4x beyond what it
-#: took at 1x (that round, that policy's windows). Its goodput against 1x is what the 4x
-#: load costs the workers on the client's side alone, with nothing more for the server to
-#: refuse: on a machine the load generator shares, the most any server could keep at 4x.
+#: process copies memory for as much CPU as the load generator took at 4x beyond 1x. Its
+#: goodput against 1x is what the 4x load costs the workers on the client's side alone: on
+#: a machine the load generator shares, the most any server could keep at 4x.
 CONTROL = "1x+client4x"
 _KEYS: tuple[int | str, ...] = (*LEVELS, CONTROL)
 
 
+def _each(make: Callable[[], Any]) -> Any:
+    """A dataclass field: one `make()` per level."""
+    return field(default_factory=lambda: {x: make() for x in _KEYS})
+
+
 @dataclass
 class _Levels:
-    """One policy's server under the overload scenario, and what its windows measured."""
+    """One policy's server under the overload scenario, and what its windows measured
+    (per level; lists by round)."""
 
     srv: Server
     base: dict[str, float]
     slos: dict[str, float]
     cap: float
     pids: dict[str, int]
-    tallies: dict[int | str, cl.Tally] = field(
-        default_factory=lambda: {x: cl.Tally() for x in _KEYS})
-    floors: dict[int | str, list[float]] = field(default_factory=lambda: {x: [] for x in _KEYS})
-    good: dict[int | str, list[float]] = field(default_factory=lambda: {x: [] for x in _KEYS})
-    per_model: dict[int | str, dict[str, int]] = field(
-        default_factory=lambda: {x: {} for x in _KEYS})
-    cpu: dict[int | str, dict[str, float]] = field(
-        default_factory=lambda: {x: {} for x in _KEYS})
-    load_cores: dict[int | str, list[float]] = field(
-        default_factory=lambda: {x: [] for x in _KEYS})  # the load generator's, by round
+    tallies: dict[int | str, cl.Tally] = _each(cl.Tally)
+    floors: dict[int | str, list[float]] = _each(list)  # GET health round trips, ms
+    good: dict[int | str, list[float]] = _each(list)
+    per_model: dict[int | str, dict[str, int]] = _each(dict)
+    cpu: dict[int | str, dict[str, float]] = _each(dict)
+    load_cores: dict[int | str, list[float]] = _each(list)  # the load generator's
     burnt: list[float] = field(default_factory=list)  # the burner's cores, by round
-    # what admission counted besides compute (/metrics), three quarters into each window:
-    # model -> term -> ms, by round
-    terms: dict[int | str, list[dict[str, dict[str, float]]]] = field(
-        default_factory=lambda: {x: [] for x in _KEYS})
-    # how late the server's and the load generator's loop timers fired, over the rounds
-    server_late: dict[int | str, Lateness] = field(
-        default_factory=lambda: {x: Lateness() for x in _KEYS})
-    client_late: dict[int | str, Lateness] = field(
-        default_factory=lambda: {x: Lateness() for x in _KEYS})
-    frontends_late: dict[int | str, Lateness] = field(  # with server.frontends > 1
-        default_factory=lambda: {x: Lateness() for x in _KEYS})
+    # what admission counted besides compute (/metrics) three quarters into each window
+    terms: dict[int | str, list[dict[str, dict[str, float]]]] = _each(list)
+    # how late the server's, the load generator's and the front ends' loop timers fired
+    server_late: dict[int | str, Lateness] = _each(Lateness)
+    client_late: dict[int | str, Lateness] = _each(Lateness)
+    frontends_late: dict[int | str, Lateness] = _each(Lateness)
     # the server's refusals by where they were decided, timed from the first byte
-    refusals: dict[int | str, dict[str, Lateness]] = field(
-        default_factory=lambda: {x: {} for x in _KEYS})
+    refusals: dict[int | str, dict[str, Lateness]] = _each(dict)
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
     """Every policy's server up at once (each calibrated alone), then `args.reps` rounds
-    of 1x, 2x and 4x of capacity; at each level every policy in turn gets a window (the
-    order reversed every other round), so that the windows compared across policies are
-    next to each other in time, and the machine's noise falls on the policies, and on the
-    levels, alike. Ratios are medians over the rounds. A server waits idle (its CPU is
-    reported as "idle servers") while another is measured."""
+    of 1x, 2x and 4x of capacity, every policy in turn at each level (the order reversed
+    every other round), so that the machine's noise falls on the policies and the levels
+    alike. Ratios are medians over the rounds. A server waits idle (its CPU reported as
+    "idle servers") while another is measured."""
     front = {"cores": args.frontend_cores} if args.frontend_cores else None
     host = available_cores()
     load = tuple(args.load_cores or ())
@@ -276,7 +250,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
                   + ", ".join(f"{m} {r * cap:g} rps" for m, r in base.items()) + ")",
                   flush=True)
             runs[label] = _Levels(srv, base, slos, cap,
-                                  {"server": srv.pid, **{m: worker_pid(srv, m) for m in base},
+                                  {"server": srv.pid, **{m: srv.worker_pid(m) for m in base},
                                    **{f"front end {k}": pid
                                       for k, pid in enumerate(front_ends(srv.pid))}})
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
@@ -369,9 +343,9 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     `burner` runs), added to `lv`."""
     rates = {m: r * lv.cap * _times(x) for m, r in lv.base.items()}
     mine = {f"{policy} {k}" for k in lv.pids}
-    before = {k: cl.cpu_s(p) for k, p in every.items()}
+    before = {k: cpu_s(p) for k, p in every.items()}
     load0 = sum(os.times()[:2])
-    burnt0 = cl.cpu_s(burner.pid) if burner is not None else 0.0
+    burnt0 = cpu_s(burner.pid) if burner is not None else 0.0
     late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
     fe_late0, fe_refused0 = frontends_loop_late(lv.srv.host), frontend_refusals(lv.srv.host)
     t0, began = time.monotonic(), time.strftime("%H:%M:%S", time.gmtime())
@@ -390,12 +364,12 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     fe_refused = {k: v - fe_refused0[k] for k, v in frontend_refusals(lv.srv.host).items()}
     for stage, times in refused.items():
         lv.refusals[x].setdefault(stage, Lateness()).merge(times)
-    used = {k: (cl.cpu_s(p) - before[k]) / wall for k, p in every.items()}
+    used = {k: (cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
     cores["load generator"] = (sum(os.times()[:2]) - load0 + shards_cpu) / wall
     lv.load_cores[x].append(cores["load generator"])
     if burner is not None:
-        cores["burner"] = (cl.cpu_s(burner.pid) - burnt0) / wall
+        cores["burner"] = (cpu_s(burner.pid) - burnt0) / wall
         lv.burnt.append(cores["burner"])
     if len(every) > len(mine):
         cores["idle servers"] = sum(v for k, v in used.items() if k not in mine)
@@ -447,16 +421,6 @@ async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
         await task
 
 
-def worker_pid(srv: Server, model: str) -> int:
-    """The PID of `model`'s worker from the server's log ("worker M ready [in T s] (pid P")."""
-    import re
-
-    found = re.findall(rf"worker {re.escape(model)} ready.*?\(pid (\d+)", srv.log.read_text())
-    if not found:
-        raise RuntimeError(f"no 'worker {model} ready (pid ...)' line in {srv.log}")
-    return int(found[-1])
-
-
 def _capacity(args: argparse.Namespace) -> float:
     """The dstack mix's capacity (a multiple of rate_rps): given, calibrated by the overload
     scenario, else 2 (what calibration found on this 2-core machine)."""
@@ -466,7 +430,7 @@ def _capacity(args: argparse.Namespace) -> float:
 def worker_kill(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
     with serving(config("dstack", "kill", top=args.top), OUT / "kill.log") as srv:
-        pid = worker_pid(srv, "resnet18")
+        pid = srv.worker_pid("resnet18")
         rates = {m: r * 0.7 * _capacity(args) for m, r in base.items()}
 
         async def go() -> tuple[dict[str, cl.Tally], float]:
@@ -477,7 +441,7 @@ def worker_kill(args: argparse.Namespace) -> Row:
             back = float("nan")
             while time.monotonic() - t_kill < 60:
                 await asyncio.sleep(0.25)
-                if await asyncio.to_thread(_ready, srv.host, "resnet18"):
+                if await asyncio.to_thread(model_ready, srv.host, "resnet18"):
                     back = time.monotonic() - t_kill
                     break
             return await load, back
@@ -487,29 +451,6 @@ def worker_kill(args: argparse.Namespace) -> Row:
                    resnet18_ready_again_s=back, mobilenet_5xx=res["mobilenet_v3_small"].err_5xx,
                    mobilenet_in_slo=res["mobilenet_v3_small"].ok,
                    mobilenet_sent=res["mobilenet_v3_small"].sent)
-
-
-def _ready(host: str, model: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{host}/v2/models/{model}/ready", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def with_side_load(srv: Server, rates: dict[str, float], slos: dict[str, float],
-                   seconds: float, action: Callable[[], Any]) -> tuple[dict[str, cl.Tally], Any]:
-    return run(_side_load(srv, rates, slos, seconds, action))
-
-
-async def _side_load(srv: Server, rates: dict[str, float], slos: dict[str, float],
-                     seconds: float, action: Callable[[], Any]) -> tuple[dict[str, cl.Tally], Any]:
-    load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, seconds, seed=5))
-    await asyncio.sleep(0.5)
-    result = await action()
-    return await load, result
 
 
 def big_bodies(args: argparse.Namespace) -> Row:
@@ -528,8 +469,8 @@ def big_bodies(args: argparse.Namespace) -> Row:
         run(cl.open_loop(srv.host, rates, slos, 2.0))
         quiet, quiet_health = run(_with_floor(
             srv.host, cl.open_loop(srv.host, rates, slos, args.fault_seconds, seed=4)))
-        before = cl.rss_mb(srv.pid)
-        cpu0 = cl.cpu_s(srv.pid)
+        before = rss_mb(srv.pid)
+        cpu0 = cpu_s(srv.pid)
         spans: list[tuple[float, float]] = []
         bigs: list[cl.BigBodiesResult] = []
 
@@ -547,10 +488,10 @@ def big_bodies(args: argparse.Namespace) -> Row:
             return await load, None
 
         (res, _), health = run(_with_floor(srv.host, storms()))
-        cpu = cl.cpu_s(srv.pid) - cpu0
+        cpu = cpu_s(srv.pid) - cpu0
         time.sleep(2)
         t = cl.total(res)
-        after = cl.rss_mb(srv.pid)
+        after = rss_mb(srv.pid)
         during = {m: res[m].latencies_within(spans) for m in res}
         p99 = {m: (round(cl.pct(quiet[m].latencies_ms, 99), 1), round(cl.pct(during[m], 99), 1))
                for m in res}
@@ -642,13 +583,13 @@ def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> R
         run(all_of(conns * 25))  # warm
         tally = cl.Tally()
         fronts = front_ends(srv.pid)
-        user0, sys0 = cl.cpu_user_sys_s(srv.pid)
-        front0 = sum(sum(cl.cpu_user_sys_s(p)) for p in fronts)
+        user0, sys0 = cpu_user_sys_s(srv.pid)
+        front0 = sum(sum(cpu_user_sys_s(p)) for p in fronts)
         t0 = time.monotonic()
         run(all_of(n))
         wall = time.monotonic() - t0
-        user1, sys1 = cl.cpu_user_sys_s(srv.pid)
-        front1 = sum(sum(cl.cpu_user_sys_s(p)) for p in fronts)
+        user1, sys1 = cpu_user_sys_s(srv.pid)
+        front1 = sum(sum(cpu_user_sys_s(p)) for p in fronts)
         where = f", {frontends} front ends" if frontends > 1 else ""
         return row(f"{label}{where})", tally, srv.pid,
                    per_s=tally.sent / wall, answered_per_s=tally.accepted / wall,
@@ -672,7 +613,7 @@ def slowloris(args: argparse.Namespace) -> Row:
         run(cl.open_loop(srv.host, rates, slos, 2.0, fresh_connections=True))
         quiet = cl.total(run(cl.open_loop(srv.host, rates, slos, 8, seed=4,
                                           fresh_connections=True)))
-        port = int(srv.host.rsplit(":", 1)[1])
+        port = srv.port
         hold_s = timeout_s + 2
 
         async def go() -> tuple[dict[str, cl.Tally], cl.SlowlorisResult, int]:
@@ -683,7 +624,7 @@ def slowloris(args: argparse.Namespace) -> Row:
             attack = asyncio.create_task(
                 cl.slowloris("127.0.0.1", port, args.slowloris, hold_s, timeout_s + 3))
             await asyncio.sleep(hold_s / 2)
-            held = _sockets(srv.pid)
+            held = open_sockets(srv.pid)
             return await load, await attack, held
 
         res, sl, held = run(go())
@@ -720,32 +661,23 @@ def _open_files_limit(pid: int) -> str:
         return "?"
 
 
-def _sockets(pid: int) -> int:
-    """Open sockets of a process (-1 if it cannot be read)."""
-    n = 0
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-            except OSError:
-                pass  # closed while listed
-    except OSError:
-        return -1
-    return n
-
-
 def stalled(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
     rates = {m: r * 0.5 for m, r in base.items()}
     body_timeout = 5
     with serving(config("dstack", "stalled", {"body_timeout_s": body_timeout}, top=args.top),
                  OUT / "stalled.log") as srv:
-        port = int(srv.host.rsplit(":", 1)[1])
         t0 = time.monotonic()
-        res, outcomes = with_side_load(
-            srv, rates, slos, body_timeout + 3,
-            lambda: cl.stalled_uploads("127.0.0.1", port, args.stalled, 1_000_000, 500_000,
-                                       body_timeout + 5))
+
+        async def go() -> tuple[dict[str, cl.Tally], Counter]:
+            load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, body_timeout + 3,
+                                                    seed=5))
+            await asyncio.sleep(0.5)
+            got = await cl.stalled_uploads("127.0.0.1", srv.port, args.stalled, 1_000_000,
+                                           500_000, body_timeout + 5)
+            return await load, got
+
+        res, outcomes = run(go())
         return row(f"{args.stalled} stalled uploads (body timeout {body_timeout} s)",
                    cl.total(res), srv.pid, stalled_outcomes=dict(outcomes),
                    answered_within_s=time.monotonic() - t0)
@@ -758,8 +690,8 @@ def over_limit(args: argparse.Namespace) -> Row:
     limit = 1 << 20
     with serving(config("tiny", "overlimit", {"max_body_bytes": limit}),
                  OUT / "overlimit.log") as srv:
-        port = int(srv.host.rsplit(":", 1)[1])
-        socks0, rss0 = _sockets(srv.pid), cl.rss_mb(srv.pid)
+        port = srv.port
+        socks0, rss0 = open_sockets(srv.pid), rss_mb(srv.pid)
         t0 = time.monotonic()
         got, slowest = cl.over_limit_uploads("127.0.0.1", port, args.over_limit,
                                              32 * limit, 8, 60)
@@ -772,8 +704,8 @@ def over_limit(args: argparse.Namespace) -> Row:
                      conn=sum(got.values()) - sum(answered.values()) - got["TimeoutError"])
         return row(f"{args.over_limit} x 32 MiB over a 1 MiB limit", t, srv.pid,
                    statuses=dict(sorted(got.items())), slowest_answer_s=slowest,
-                   seconds=seconds, sockets_before_after=(socks0, _sockets(srv.pid)),
-                   rss_before_mb=rss0, still_serving=_ready(srv.host, "tiny_cnn"))
+                   seconds=seconds, sockets_before_after=(socks0, open_sockets(srv.pid)),
+                   rss_before_mb=rss0, still_serving=model_ready(srv.host, "tiny_cnn"))
 
 
 def sigterm(args: argparse.Namespace) -> Row:
@@ -827,8 +759,8 @@ def fuzz_real(args: argparse.Namespace) -> Row:
                                          64 * limit, "body_timeout_s": 2}),
                  OUT / "fuzz.log") as srv:
         models = {"tiny_cnn": get_json(f"{srv.host}/v2/models/tiny_cnn")}
-        port = int(srv.host.rsplit(":", 1)[1])
-        start = cl.rss_mb(srv.pid)
+        port = srv.port
+        start = rss_mb(srv.pid)
         t0 = time.monotonic()
         samples = []
         done = 0
@@ -844,10 +776,10 @@ def fuzz_real(args: argparse.Namespace) -> Row:
             tally.add(t)
             bad += b
             done += n
-            samples.append(cl.rss_mb(srv.pid))
+            samples.append(rss_mb(srv.pid))
             print(f"  fuzz {done}: RSS {samples[-1]:.0f} MB, 5xx {tally.err_5xx}, "
                   f"hung {tally.hung}", flush=True)
-        alive = _ready(srv.host, "tiny_cnn")
+        alive = model_ready(srv.host, "tiny_cnn")
         return row(f"fuzzer {args.fuzz} cases", tally, srv.pid,
                    statuses=dict(sorted(statuses.items())), rss_start_mb=start,
                    rss_samples_mb=samples, seconds=time.monotonic() - t0,
@@ -912,73 +844,60 @@ def _interrupt(sig: int, _: Any) -> None:
     raise KeyboardInterrupt(f"signal {sig}")
 
 
-SCENARIOS = ("overload", "kill", "bodies", "over-limit", "slowloris", "stalled", "sigterm",
-             "fuzz", "refusal-cost", "accept-cost")
-
-
 def main(argv: list[str] | None = None) -> int:
     global LOAD_NICE, HOSTILE_NICE, MIX, LOAD_PROCS
+    scenarios: dict[str, Callable[[argparse.Namespace], Row | list[Row]]] = {
+        "overload": overload, "kill": worker_kill, "bodies": big_bodies,
+        "over-limit": over_limit, "slowloris": slowloris, "stalled": stalled,
+        "sigterm": sigterm, "fuzz": fuzz_real, "refusal-cost": refusal_cost,
+        "accept-cost": accept_cost}
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
-    p.add_argument("--policies", nargs="*", choices=list(MIX), default=list(MIX))
-    p.add_argument("--frontends", type=int, nargs="+", default=[1],
-                   help="overload, refusal-cost, accept-cost: each server once per value of "
-                        "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
-    p.add_argument("--solve-in", choices=["process", "thread"], nargs="+", default=None,
-                   help="overload: each server once per value of adapt.solve_in (where a "
-                        "re-plan is solved; labelled +solve-X), side by side")
-    p.add_argument("--mix", choices=list(MIXES), default="cpu",
-                   help="overload: the servers' model mix (configs/): cpu, or h100 "
-                        "(mobilenet_v3_large and resnet50 on MPS slices of an H100)")
-    p.add_argument("--load-procs", type=int, default=1,
-                   help="overload: processes the load is sent from (a machine with cores "
-                        "to spare: one Python process cannot send thousands of 600 KB "
-                        "requests a second)")
-    p.add_argument("--overload-seconds", type=float, default=10.0)
-    p.add_argument("--reps", type=int, default=3, help="rounds of 1x, 2x, 4x")
-    p.add_argument("--no-control", dest="control", action="store_false",
-                   help="leave out each round's control window (1x while a process burns "
-                        "the CPU the load generator took at 4x beyond 1x)")
-    p.add_argument("--calibrate-seconds", type=float, default=5.0)
-    p.add_argument("--calibrate-scales", type=lambda v: [float(x) for x in v.split(",")],
-                   default=[4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0],
-                   help="multiples of the mix's rate_rps tried by the capacity ramp (on "
-                        "this 2-core machine the knee was 20-24x with the lean client, "
-                        "16x with aiohttp's)")
-    p.add_argument("--capacity-scale", type=float, default=0.0,
-                   help="capacity as a multiple of the mix's rate_rps (0: calibrate)")
-    p.add_argument("--fault-seconds", type=float, default=12.0)
-    p.add_argument("--big-bodies", type=int, default=20)
-    p.add_argument("--big-body-mb", type=float, default=20.0)
-    p.add_argument("--storms", type=int, default=5,
-                   help="big-body storms, one after another (each --big-bodies at once)")
-    p.add_argument("--side-load", type=float, default=4.0,
-                   help="the other traffic beside the big bodies, as a multiple of the "
-                        "mix's rate_rps (4: half the 8x capacity of this machine)")
-    p.add_argument("--over-limit", type=int, default=64,
-                   help="bodies of 32 MiB sent to a 1 MiB limit, 8 connections at a time")
-    p.add_argument("--slowloris", type=int, default=1000)
-    p.add_argument("--stalled", type=int, default=50)
-    p.add_argument("--fuzz", type=int, default=100_000)
-    p.add_argument("--refusal-requests", type=int, default=20_000)
-    p.add_argument("--accept-requests", type=int, default=5_000)
-    p.add_argument("--worker-nice", type=int, default=None,
-                   help="worker_nice of every server started (default: the config's); "
-                        "the big-body sender runs as nice as the workers")
+    add = p.add_argument
+    add("--only", nargs="*", choices=list(scenarios), default=list(scenarios))
+    add("--policies", nargs="*", choices=list(MIX), default=list(MIX))
+    add("--frontends", type=int, nargs="+", default=[1],
+        help="overload, refusal-cost, accept-cost: each server once per value of "
+             "server.frontends (labelled POLICY+Nfe for N > 1), side by side")
+    add("--solve-in", choices=["process", "thread"], nargs="+", default=None,
+        help="overload: each server once per value of adapt.solve_in (labelled +solve-X)")
+    add("--mix", choices=list(MIXES), default="cpu",
+        help="overload: the servers' model mix: cpu, or h100 (MPS slices of an H100)")
+    add("--load-procs", type=int, default=1,
+        help="overload: processes the load is sent from (one Python process cannot send "
+             "thousands of 600 KB requests a second)")
+    add("--overload-seconds", type=float, default=10.0)
+    add("--reps", type=int, default=3, help="rounds of 1x, 2x, 4x")
+    add("--no-control", dest="control", action="store_false",
+        help="leave out each round's control window (CONTROL)")
+    add("--calibrate-seconds", type=float, default=5.0)
+    add("--calibrate-scales", type=lambda v: [float(x) for x in v.split(",")],
+        default=[4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0],
+        help="multiples of the mix's rate_rps tried by the capacity ramp")
+    add("--capacity-scale", type=float, default=0.0,
+        help="capacity as a multiple of the mix's rate_rps (0: calibrate)")
+    add("--fault-seconds", type=float, default=12.0)
+    add("--big-bodies", type=int, default=20, help="bodies at once in a storm")
+    add("--big-body-mb", type=float, default=20.0)
+    add("--storms", type=int, default=5)
+    add("--side-load", type=float, default=4.0,
+        help="the traffic beside the big bodies, as a multiple of the mix's rate_rps")
+    add("--over-limit", type=int, default=64, help="bodies of 32 MiB to a 1 MiB limit")
+    add("--slowloris", type=int, default=1000)
+    add("--stalled", type=int, default=50)
+    add("--fuzz", type=int, default=100_000)
+    add("--refusal-requests", type=int, default=20_000)
+    add("--accept-requests", type=int, default=5_000)
+    add("--worker-nice", type=int, default=None,
+        help="worker_nice of every server (default: the config's); the big-body sender too")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--frontend-cores", type=int, nargs="+", default=None,
-                       help="overload: the servers' `server.cores`, and the load generator "
-                            "moves there too once they have started (default: neither "
-                            "pinned)")
+                       help="overload: the servers' `server.cores`; the load generator "
+                            "moves there too once they have started")
     where.add_argument("--load-cores", type=int, nargs="+", default=None,
-                       help="overload: the load generator runs on these cores, the servers "
-                            "and their workers on the others: the client off the server's "
-                            "cores, as on a machine of its own; no control window then, as "
-                            "the client's CPU is not the workers' (default: all share every "
-                            "core)")
-    p.add_argument("--load-nice", type=int, default=LOAD_NICE,
-                   help="how much nicer than the servers the measured clients run (0: as "
-                        "a client on its own cores, never behind the workers)")
+                       help="overload: the load generator on these cores, the servers and "
+                            "workers on the others (no control window then)")
+    add("--load-nice", type=int, default=LOAD_NICE,
+        help="how much nicer than the servers the measured clients run")
     args = p.parse_args(argv)
     if args.load_cores:
         if not set(args.load_cores) < set(host := available_cores()):
@@ -990,9 +909,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_procs < 1:
         p.error("--load-procs must be at least 1")
     MIX = {pol: ROOT / MIXES[args.mix].format(pol) for pol in MIX}
-    LOAD_PROCS = args.load_procs
+    LOAD_PROCS, LOAD_NICE = args.load_procs, args.load_nice
     args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
-    LOAD_NICE = args.load_nice
     if args.worker_nice is not None:
         HOSTILE_NICE = args.worker_nice
     args.capacity = {}
@@ -1001,31 +919,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start",
           flush=True)
     rows: list[Row] = []
-    steps: dict[str, Callable[[], Any]] = {
-        "overload": lambda: rows.extend(overload(args)),
-        "kill": lambda: rows.append(worker_kill(args)),
-        "bodies": lambda: rows.append(big_bodies(args)),
-        "over-limit": lambda: rows.append(over_limit(args)),
-        "slowloris": lambda: rows.append(slowloris(args)),
-        "stalled": lambda: rows.append(stalled(args)),
-        "sigterm": lambda: rows.append(sigterm(args)),
-        "fuzz": lambda: rows.append(fuzz_real(args)),
-        "refusal-cost": lambda: rows.extend(refusal_cost(args)),
-        "accept-cost": lambda: rows.extend(accept_cost(args)),
-    }
     for name in args.only:
         print(f"== {name}", flush=True)
         t0 = time.monotonic()
         try:
-            steps[name]()
+            got = scenarios[name](args)
+            rows += got if isinstance(got, list) else [got]
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"  {name} failed: {e}", file=sys.stderr, flush=True)
         print(f"   ({time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.2f})",
               flush=True)
-    print()
-    print(table(rows))
-    print()
-    print(notes(rows))
+    print(f"\n{table(rows)}\n\n{notes(rows)}")
     (OUT / "chaos.json").write_text(json.dumps(rows, indent=1, default=str))
     return 0
 

@@ -16,34 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 from contextlib import ExitStack
-from typing import Any
-
-import yaml
 
 from bench import chaos_load as cl
-from bench.servers import ROOT, Server, get_json, serving
+from bench.servers import ROOT, model_stats, rates_slos, serving, write_config
 
 MIX = ROOT / "configs/bench-mix-h100-dstack.yaml"
 OUT = ROOT / "out/gpu-graphs"
-
-
-def _config(graphs: bool) -> Any:
-    cfg = yaml.safe_load(MIX.read_text())
-    cfg["profiles"] = str((MIX.parent / cfg["profiles"]).resolve())
-    cfg["cuda_graphs"] = graphs
-    path = OUT / f"graphs-{str(graphs).lower()}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _batches(srv: Server, models: list[str]) -> dict[str, tuple[int, int, int]]:
-    """Per model: batches run, items in them, compute ns (the server's Triton stats)."""
-    out = {}
-    for m in models:
-        s = get_json(f"{srv.host}/v2/models/{m}/stats")["model_stats"][0]
-        out[m] = (s["execution_count"], s["inference_count"],
-                  s["inference_stats"]["compute_infer"]["ns"])
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,21 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=6.0, help="per window")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    models = yaml.safe_load(MIX.read_text())["models"]
-    base = {m["name"]: float(m["rate_rps"]) for m in models}
-    slos = {m["name"]: float(m["slo_ms"]) for m in models}
+    base, slos = rates_slos(MIX)
     good: dict[tuple[bool, float], float] = {}
     with ExitStack() as stack:
-        servers = {g: stack.enter_context(serving(_config(g), OUT / f"graphs-{g}.log"))
-                   for g in (True, False)}
+        servers = {g: stack.enter_context(serving(
+            write_config(MIX, OUT / f"graphs-{str(g).lower()}.yaml", cuda_graphs=g),
+            OUT / f"graphs-{g}.log")) for g in (True, False)}
         for srv in servers.values():  # warm: connections, the first batches
             asyncio.run(cl.open_loop(srv.host, {m: 5.0 for m in base}, slos, 2.0))
         for x in args.scales:
             for g, srv in servers.items():
-                before = _batches(srv, list(base))
+                before = {m: model_stats(srv.host, m) for m in base}
                 res = asyncio.run(cl.open_loop(srv.host, {m: r * x for m, r in base.items()},
                                                slos, args.seconds, seed=int(10 * x)))
-                after = _batches(srv, list(base))
+                after = {m: model_stats(srv.host, m) for m in base}
                 t = cl.total(res)
                 good[g, x] = t.ok / args.seconds
                 worst = min(r.ok / r.sent if r.sent else 1.0 for r in res.values())
@@ -75,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{m} {n} batches of {items / max(n, 1):.1f}, "
                     f"{ns / max(n, 1) / 1e6:.2f} ms each"
                     for m in base
-                    for n, items, ns in [tuple(a - b for a, b in
-                                               zip(after[m], before[m], strict=True))])
+                    for n, items, ns in [[after[m][k] - before[m][k] for k in
+                                          ("execution_count", "inference_count", "compute_ns")]])
                 print(f"x{x:g} {'graphs' if g else 'eager '}: offered "
                       f"{sum(base.values()) * x:.0f} rps, goodput {good[g, x]:.1f}/s, worst "
                       f"model in SLO {100 * worst:.1f}%, p99 {cl.pct(t.latencies_ms, 99):.1f} "

@@ -1,12 +1,11 @@
 """Load for the chaos benchmark (`bench/bench_chaos.py`) and the soak (`bench/soak.py`):
-open-loop Poisson infer requests with every outcome counted (refusals by the reason in
-their JSON body, and how long a refusal took), the process's RSS, slowloris sockets,
-stalled uploads, and the fuzzer's cases on raw sockets.
+open-loop Poisson infer requests with every outcome counted, big bodies from a child
+process, bodies over the limit, slowloris sockets, stalled uploads, and the fuzzer's cases
+on raw sockets.
 
 Outcomes, per request: `ok` (200 within the SLO), `late` (200 after it), `refused` (429
 by its body's "reason"; 503 with Retry-After as "unavailable"), `other_4xx`, `err_5xx`
-(any other 5xx), `hung` (no answer within `hang_s`), `conn` (the connection failed: refused
-or reset, e.g. a server shutting down).
+(any other 5xx), `hung` (no answer within `hang_s`), `conn` (the connection failed).
 """
 
 from __future__ import annotations
@@ -24,8 +23,12 @@ import numpy as np
 
 from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire_bytes
 from bench.lean_http import LeanClient
-from bench.loads import one_item_body
-from bench.servers import admission_terms, get_json
+from bench.loads import one_item_body, poisson_arrivals
+from bench.servers import (
+    admission_terms,
+    cpu_user_sys_s,  # noqa: F401 (bench.bench_protocols imports it here)
+    get_json,
+)
 from dstack.common.pauses import Lateness, count_lateness
 
 
@@ -58,13 +61,10 @@ class Tally:
         for k in ("sent", "ok", "late", "other_4xx", "err_5xx", "hung", "conn",
                   "non_json_errors", "late_in_server"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        for k in ("latencies_ms", "answered_at", "refusal_ms", "outside_ms",
+                  "refusal_outside_ms", "refusal_own_ms"):
+            getattr(self, k).extend(getattr(other, k))
         self.refused.update(other.refused)
-        self.latencies_ms += other.latencies_ms
-        self.answered_at += other.answered_at
-        self.refusal_ms += other.refusal_ms
-        self.outside_ms += other.outside_ms
-        self.refusal_outside_ms += other.refusal_outside_ms
-        self.refusal_own_ms += other.refusal_own_ms
         for k, v in other.refusal_ms_by_reason.items():
             self.refusal_ms_by_reason.setdefault(k, []).extend(v)
         self.samples_5xx += other.samples_5xx[:3]
@@ -133,44 +133,6 @@ def server_ms(headers: Any) -> float | None:
 
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
-
-
-def rss_mb(pid: int, key: str = "VmRSS:") -> float:
-    """RSS (VmRSS) or, with key="VmHWM:", peak RSS of a process in MB; NaN if gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used; NaN if it is gone."""
-    return sum(cpu_user_sys_s(pid))
-
-
-def _stat(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (state first)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-def cpu_user_sys_s(pid: int) -> tuple[float, float]:
-    """CPU seconds a process has used in user space and in the kernel; NaNs if it is gone."""
-    try:
-        fields = _stat(pid)
-        tick = os.sysconf("SC_CLK_TCK")
-        return int(fields[11]) / tick, int(fields[12]) / tick
-    except (OSError, IndexError, ValueError):
-        return float("nan"), float("nan")
-
-
-def minor_faults(pid: int) -> int:
-    """Pages a process has had the kernel map in for it (minor page faults) so far."""
-    return int(_stat(pid)[7])
 
 
 class Burner:
@@ -257,13 +219,7 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
     # as the server's is (`Runtime.loop_late`)
     ticker = asyncio.create_task(count_lateness(loop_late)) if loop_late is not None else None
     try:
-        arrivals: list[tuple[float, str]] = []
-        for m, rate in rates.items():
-            if rate <= 0:
-                continue
-            times = np.cumsum(rng.exponential(1 / rate, int(rate * duration_s * 2) + 10))
-            arrivals += [(float(x), m) for x in times[times < duration_s]]
-        arrivals.sort()
+        arrivals = poisson_arrivals(rng, rates, duration_s)
         t_start = time.perf_counter()
         tasks = []
         for at, m in arrivals:
@@ -492,44 +448,40 @@ def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, f
 
 def over_limit_uploads(host: str, port: int, n: int, size: int, threads: int,
                        hang_s: float) -> tuple[Counter, float]:
-    """`n` POSTs of `size` bytes (over the server's limit) from `threads` threads, each on
-    kept-alive connections with http.client, which sends a whole body before it reads:
-    of every four, a declared length, a declared length with `Connection: close`, chunked,
-    chunked with `Connection: close`. What each got (a status, or the error instead of
-    one: a reset, a hang) -> count, and the slowest answer in seconds."""
+    """`n` POSTs of `size` bytes (over the server's limit) from `threads` threads on
+    kept-alive http.client connections (it sends a whole body before it reads): of every
+    four, a declared length, the same with `Connection: close`, chunked, chunked with
+    `Connection: close`. What each got (a status, or the error instead) -> count, and the
+    slowest answer in seconds."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
 
-    body = b"x" * size
-    piece = 1 << 16
+    body, piece, path = b"x" * size, 1 << 16, "/v2/models/tiny_cnn/infer"
 
     def one_thread(k: int) -> tuple[Counter, float]:
         got: Counter = Counter()
         slowest = 0.0
         c: http.client.HTTPConnection | None = None
         for i in range(k, n, threads):
-            close, chunked = i % 2 == 1, i % 4 >= 2
-            headers = {"Content-Type": "application/json"}
-            if close:
-                headers["Connection"] = "close"
-            if c is None:
-                c = http.client.HTTPConnection(host, port, timeout=hang_s)
+            headers = {"Content-Type": "application/json",
+                       **({"Connection": "close"} if i % 2 == 1 else {})}
+            c = c or http.client.HTTPConnection(host, port, timeout=hang_s)
             t0 = time.perf_counter()
             try:
-                if chunked:
-                    c.request("POST", "/v2/models/tiny_cnn/infer", encode_chunked=True,
+                if i % 4 >= 2:  # chunked
+                    c.request("POST", path, encode_chunked=True,
                               body=(body[j:j + piece] for j in range(0, size, piece)),
                               headers={**headers, "Transfer-Encoding": "chunked"})
                 else:
-                    c.request("POST", "/v2/models/tiny_cnn/infer", body=body, headers=headers)
+                    c.request("POST", path, body=body, headers=headers)
                 r = c.getresponse()
                 r.read()
                 got[str(r.status)] += 1
-                if r.will_close:
-                    c.close()
-                    c = None
+                keep = not r.will_close
             except (OSError, http.client.HTTPException) as e:
                 got[type(e).__name__] += 1
+                keep = False
+            if not keep:
                 c.close()
                 c = None
             slowest = max(slowest, time.perf_counter() - t0)

@@ -40,15 +40,21 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                     ) -> dict[str, Outcome]:
     """Poisson arrivals per model at `rates` for `duration_s`, bounded in count and in
     flight; latency from the send to the full response."""
-    rng = np.random.default_rng(seed)
-    arrivals = []
-    for m, rate in rates.items():
-        n = int(rate * duration_s * 2) + 10
-        times = np.cumsum(rng.exponential(1 / rate, n))
-        arrivals += [(float(t), m) for t in times[times < duration_s]]
-    arrivals.sort()
+    arrivals = poisson_arrivals(np.random.default_rng(seed), rates, duration_s)
     return await send_at(host, arrivals, {m: slos_ms[m] for m in rates},
                          max_inflight=max_inflight)
+
+
+def poisson_arrivals(rng: np.random.Generator, rates: dict[str, float], duration_s: float
+                     ) -> list[tuple[float, str]]:
+    """`(instant s, model)` of Poisson arrivals per model at `rates` (rps; a model at 0
+    gets none) for `duration_s`, in time order."""
+    arrivals: list[tuple[float, str]] = []
+    for m, rate in rates.items():
+        if rate > 0:
+            times = np.cumsum(rng.exponential(1 / rate, int(rate * duration_s * 2) + 10))
+            arrivals += [(float(t), m) for t in times[times < duration_s]]
+    return sorted(arrivals)
 
 
 async def send_at(host: str, arrivals: list[tuple[float, str]], slos_ms: dict[str, float],

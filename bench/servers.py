@@ -1,9 +1,11 @@
 """A real `dstack serve` for a benchmark: a subprocess on a free 127.0.0.1 port, polled on
-`/v2/health/ready`, stopped by its PID on every path (SIGINT, then kill); its peak RSS."""
+`/v2/health/ready`, stopped by its PID on every path (SIGINT, then kill); its configs, its
+/metrics and statistics, and what its processes use (/proc)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -36,6 +38,17 @@ class Server:
     log: Path
     worker_pids: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def port(self) -> int:
+        return int(self.host.rsplit(":", 1)[1])
+
+    def worker_pid(self, model: str) -> int:
+        """The PID of `model`'s worker now: the last "worker M ready ... (pid P" in the log."""
+        found = re.findall(rf"worker {re.escape(model)} ready.*?\(pid (\d+)", self.log.read_text())
+        if not found:
+            raise RuntimeError(f"no 'worker {model} ready (pid ...)' line in {self.log}")
+        return int(found[-1])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,22 +57,24 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(config: Path, log: Path, ready_timeout_s: float = 180) -> Iterator[Server]:
-    """A `dstack serve` subprocess on 127.0.0.1, ready; stopped by PID on every path."""
+def serving(config: Path, log: Path, ready_timeout_s: float = 180, *,
+            command: tuple[str, ...] = ("serve",), grace_s: float = 20) -> Iterator[Server]:
+    """A `dstack serve` (or `command`, e.g. `("cluster", "serve")`) subprocess on
+    127.0.0.1, ready; stopped by PID on every path (SIGINT, killed after `grace_s`)."""
     port = free_port()
     host = f"http://127.0.0.1:{port}"
     with log.open("w") as lf:
         proc = subprocess.Popen(
-            [*DSTACK_CMD, "serve", "--config", str(config), "--host", "127.0.0.1",
+            [*DSTACK_CMD, *command, "--config", str(config), "--host", "127.0.0.1",
              "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        wait_ready(proc, host, log, ready_timeout_s)
+        wait_ready(proc, host, log, ready_timeout_s, " ".join(command))
         srv = Server(host, proc.pid, log)
         for m, pid in re.findall(r"worker (\S+) ready (?:in \S+ s )?\(pid (\d+)", log.read_text()):
             srv.worker_pids[m] = int(pid)
         yield srv
     finally:
-        interrupt(proc, 20)
+        interrupt(proc, grace_s)
 
 
 def wait_ready(proc: subprocess.Popen[Any], host: str, log: Path, timeout_s: float,
@@ -91,32 +106,102 @@ def interrupt(proc: subprocess.Popen[Any], grace_s: float) -> None:
             proc.wait(5)
 
 
+def model_ready(host: str, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{host}/v2/models/{model}/ready", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ configs
+
+
+def models_of(config: Path) -> list[dict[str, Any]]:
+    """The `models` entries of a config file, as written (name, slo_ms, rate_rps, ...)."""
+    return yaml.safe_load(config.read_text())["models"]
+
+
+def rates_slos(config: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """Each model's `rate_rps` and `slo_ms` in a config file."""
+    models = models_of(config)
+    return ({m["name"]: float(m["rate_rps"]) for m in models},
+            {m["name"]: float(m["slo_ms"]) for m in models})
+
+
+def write_config(src: Path, path: Path, **top: Any) -> Path:
+    """`src` with top-level keys replaced by `top` (None: left as written), its profiles
+    made absolute, written to `path`."""
+    cfg = yaml.safe_load(src.read_text())
+    if cfg.get("profiles") not in (None, "auto"):
+        cfg["profiles"] = str((src.parent / cfg["profiles"]).resolve())
+    cfg.update({k: v for k, v in top.items() if v is not None})
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ------------------------------------------------------------------ processes (/proc)
+
+
 def front_ends(pid: int) -> list[int]:
     """PIDs of the front-end processes of the server `pid` (`server.frontends` > 1)."""
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(k) for k in kids if b"server.frontends" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
-def peak_rss_mb(srv: Server) -> dict[str, float]:
-    """Peak RSS (MB) of the server and each worker since they started: the kernel's
-    high-water mark, read once while they still run. (Sampling the process tree on a
-    thread instead cost the measuring process ~0.2 ms of CPU per request, on the very
-    cores being measured.) NaN where /proc is not there (not Linux)."""
-    out = {"server": _peak_rss_mb(srv.pid)}
-    for m, pid in srv.worker_pids.items():
-        out[f"worker {m}"] = _peak_rss_mb(pid)
-    return out
-
-
-def _peak_rss_mb(pid: int) -> float:
+def rss_mb(pid: int, key: str = "VmRSS:") -> float:
+    """RSS or, with key="VmHWM:", peak RSS (the kernel's high-water mark) of a process in
+    MB; NaN if it is gone (or not Linux)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) / 1024  # kB
     except OSError:
         pass
     return float("nan")
+
+
+def peak_rss_mb(srv: Server) -> dict[str, float]:
+    """Peak RSS (MB) of the server and each worker since they started, read once while they
+    still run. (Sampling the process tree on a thread instead cost the measuring process
+    ~0.2 ms of CPU per request, on the very cores being measured.)"""
+    return {"server": rss_mb(srv.pid, "VmHWM:"),
+            **{f"worker {m}": rss_mb(pid, "VmHWM:") for m, pid in srv.worker_pids.items()}}
+
+
+def cpu_user_sys_s(pid: int) -> tuple[float, float]:
+    """CPU seconds a process has used in user space and in the kernel; NaNs if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
+    except (OSError, IndexError, ValueError):
+        return float("nan"), float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used; NaN if it is gone."""
+    return sum(cpu_user_sys_s(pid))
+
+
+def open_sockets(pid: int) -> int:
+    """Open sockets of a process (-1 if it cannot be read)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return -1
+    n = 0
+    for fd in fds:
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # closed while listed
+    return n
+
+
+# ------------------------------------------------------------------ what the server says
 
 
 def get_json(url: str) -> Any:
@@ -124,15 +209,22 @@ def get_json(url: str) -> Any:
         return json.loads(r.read())
 
 
+def _metrics(host: str) -> str:
+    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _families(host: str) -> Any:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return text_string_to_metric_families(_metrics(host))
+
+
 def admission_terms(host: str) -> dict[str, dict[str, float]]:
     """Per model, what the server's admission counts besides compute, from its /metrics
     (`dstack_admission_seconds` by term, in ms; `margin`, the factor)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
-        text = r.read().decode()
     out: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in _families(host):
         for sample in fam.samples:
             if sample.name == "dstack_admission_seconds":
                 out.setdefault(sample.labels["model"], {})[sample.labels["term"]] = (
@@ -142,11 +234,6 @@ def admission_terms(host: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _metrics(host: str) -> str:
-    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
 def loop_late(host: str) -> Lateness:
     """The server's `dstack_event_loop_late_seconds` histogram (/metrics) as counts: how
     late each tick of its event loop's 10 ms timer fired since it started."""
@@ -154,20 +241,17 @@ def loop_late(host: str) -> Lateness:
 
 
 def frontends_loop_late(host: str) -> Lateness:
-    """The front ends' `dstack_frontend_loop_late_seconds` (/metrics), all together: how late
-    each tick of their loops' 10 ms timers fired (no counts without front ends)."""
+    """The front ends' `dstack_frontend_loop_late_seconds` (/metrics), all together (no
+    counts without front ends)."""
     return histogram_counts(_metrics(host), "dstack_frontend_loop_late_seconds")
 
 
 def frontend_refusals(host: str) -> dict[str, int]:
-    """Refusals the server's front ends answered without the dispatch process's decision
-    (/metrics; 0 without front ends): `standing` (within a standing refusal, without
-    asking: `dstack_frontend_standing_refusals`) and `undecided` (not decided on within
-    `server.decision_timeout_ms`: `dstack_frontend_undecided_refusals`)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """Refusals the front ends answered without the dispatch process's decision (/metrics;
+    0 without front ends): `standing` (within a standing refusal) and `undecided` (not
+    decided on within `server.decision_timeout_ms`)."""
     out = {"standing": 0, "undecided": 0}
-    for fam in text_string_to_metric_families(_metrics(host)):
+    for fam in _families(host):
         for kind in out:
             if fam.name == f"dstack_frontend_{kind}_refusals":
                 out[kind] = int(sum(sample.value for sample in fam.samples))
@@ -177,8 +261,7 @@ def frontend_refusals(host: str) -> dict[str, int]:
 def refusal_times(host: str) -> dict[str, Lateness]:
     """The server's `dstack_refusal_seconds` (/metrics), every model's together, by stage:
     how long each refusal took from the request's first byte, decided from its header
-    ("header"), once its body had been read ("body"), or after it waited queued ("queue":
-    `expired`)."""
+    ("header"), once its body had been read ("body"), or after it waited queued ("queue")."""
     text = _metrics(host)
     return {stage: histogram_counts(text, "dstack_refusal_seconds", stage=stage)
             for stage in REFUSAL_STAGES}
@@ -195,9 +278,9 @@ _STAGE_WORDS = {"header": "at the header", "body": "after the body",
 
 
 def refusal_summary(times: dict[str, Lateness]) -> str:
-    """'at the header N (J%, p99 <= X ms, A over 5 ms), after the body M (...), after
-    waiting queued L (...)': each stage's refusals, their share, and how many took more
-    than 5 ms (the overload target's p99), as the server timed them from the first byte."""
+    """'at the header N (J%, p99 <= X ms, A over 5 ms), after the body M (...), ...': each
+    stage's refusals, their share, and how many took more than 5 ms (the overload target's
+    p99), as the server timed them from the first byte."""
     total = sum(t.count for t in times.values())
     if not total:
         return "no refusals"
@@ -212,8 +295,3 @@ def model_stats(host: str, model: str) -> dict[str, int]:
     s = get_json(f"{host}/v2/models/{model}/stats")["model_stats"][0]
     return {"inference_count": s["inference_count"], "execution_count": s["execution_count"],
             "compute_ns": s["inference_stats"]["compute_infer"]["ns"]}
-
-
-def models_of(config: Path) -> list[dict[str, Any]]:
-    """The `models` entries of a config file, as written (name, slo_ms, rate_rps, ...)."""
-    return yaml.safe_load(config.read_text())["models"]

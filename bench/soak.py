@@ -18,11 +18,9 @@ import os
 import sys
 import time
 
-import yaml
-
 from bench import chaos_load as cl
-from bench.bench_chaos import OUT, config, run, worker_pid
-from bench.servers import ROOT, front_ends, serving
+from bench.bench_chaos import OUT, config, run
+from bench.servers import ROOT, front_ends, rates_slos, rss_mb, serving
 
 MIX = ROOT / "configs/bench-mix-dstack.yaml"
 
@@ -38,9 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="server.frontends: front-end processes (1: the server alone)")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    models = yaml.safe_load(MIX.read_text())["models"]
-    rates = {m["name"]: float(m["rate_rps"]) * args.capacity_scale * args.load for m in models}
-    slos = {m["name"]: float(m["slo_ms"]) for m in models}
+    base, slos = rates_slos(MIX)
+    rates = {m: r * args.capacity_scale * args.load for m, r in base.items()}
     windows = max(1, round(args.minutes * 60 / args.window_seconds))
     print(f"soak: {windows} x {args.window_seconds:g} s at {args.load:g} of capacity ("
           + ", ".join(f"{m} {r:.1f} rps" for m, r in rates.items())
@@ -49,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     total = cl.Tally()
     with serving(config("dstack", "soak", {"frontends": args.frontends}),
                  OUT / "soak.log") as srv:
-        pids = {"server": srv.pid, **{f"worker {m}": worker_pid(srv, m) for m in rates},
+        pids = {"server": srv.pid, **{f"worker {m}": srv.worker_pid(m) for m in rates},
                 **{f"front end {i}": pid for i, pid in enumerate(front_ends(srv.pid), 1)}}
         t0 = time.monotonic()
         for w in range(windows):
             res = run(cl.open_loop(srv.host, rates, slos, args.window_seconds, seed=w + 1))
             t = cl.total(res)
             total.add(t)
-            rss = {k: cl.rss_mb(pid) for k, pid in pids.items()}
+            rss = {k: rss_mb(pid) for k, pid in pids.items()}
             att = t.ok / t.sent if t.sent else float("nan")
             per_window.append({"minute": w + 1, "sent": t.sent, "attainment": att,
                                "refused": dict(t.refused), "5xx": t.err_5xx, "hung": t.hung,
