@@ -44,21 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from dstack.common.config import DeployConfig, PolicyName, load_config, parse_config
+from dstack.common.types import Profile, load_profiles
+from dstack.policies.planning import served_profiles
 from dstack.simulate import cost_per_request_s, generate, latency_ms, simulate
-
-try:
-    from dstack.common.config import DeployConfig, PolicyName, load_config, parse_config
-    from dstack.common.types import Profile, load_profiles
-    from dstack.policies.planning import served_profiles
-except ImportError:  # a commit before the package split (to measure an older main)
-    from dstack.config import (  # type: ignore[no-redef]
-        DeployConfig,
-        PolicyName,
-        load_config,
-        parse_config,
-    )
-    from dstack.planning import served_profiles  # type: ignore[no-redef]
-    from dstack.types import Profile, load_profiles  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles"
@@ -247,9 +236,8 @@ def config_mix(path: str | Path, seed: int, duration_s: float, max_requests: int
                                m.slo_ms / latency_ms(prof, 1, max(prof.percentages)),
                                m.max_batch_size, 0.0, cost, m.rate_rps, m.rate_rps))
     total = sum(m.rate_rps for m in models)
-    share = [m.rate_rps * m.cost_s / load if load > 0 else 0.0 for m in models]
-    models = [MixModel(m.name, m.zoo, m.slo_ms, m.slo_factor, m.max_batch, s, m.cost_s,
-                       m.rate_rps, m.base_rate_rps) for m, s in zip(models, share, strict=True)]
+    models = [replace(m, share=m.rate_rps * m.cost_s / load if load > 0 else 0.0)
+              for m in models]
     device_dir = Path(cfg.profiles).name if cfg.profiles is not None else "?"
     kind = workload.split(":", 1)[0]
     return Mix(mix_id, device_dir, tuple(models), load, kind, workload,
