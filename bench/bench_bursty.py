@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.fitted import fitted_config
 from bench.loads import Outcome, p99, send_at
-from bench.servers import ROOT, models_of, serving
+from bench.servers import ROOT, rates_slos, serving
 from dstack.common.config import DeployConfig, load_config
 from dstack.common.types import scaled
 from dstack.policies.planning import served_profiles
@@ -84,9 +84,8 @@ class Mix:
 
 def fitted_mix(policy: str, outdir: Path) -> Mix:
     config, factor = fitted_config(ROOT / f"configs/bench-mix-{policy}.yaml", outdir)
-    models = models_of(config)
-    return Mix(config, {m["name"]: float(m["slo_ms"]) for m in models},
-               {m["name"]: float(m["rate_rps"]) for m in models}, factor)
+    rates, slos = rates_slos(config)
+    return Mix(config, slos, rates, factor)
 
 
 def outcome_json(o: Outcome, duration_s: float) -> dict[str, Any]:

@@ -454,13 +454,11 @@ def worker_kill(args: argparse.Namespace) -> Row:
 
 
 def big_bodies(args: argparse.Namespace) -> Row:
-    """`--storms` storms, one after another, of `--big-bodies` concurrent JSON bodies of
-    `--big-body-mb` each, beside `--side-load` times the mix's rate. The bodies are sent by
-    a spawned child (cl.BigBodySender): this process only sends and times the other
-    traffic. Its p99 per model counts the answers to requests under way during a storm
-    (from its first body sent to its last answered), against the same load without the
-    bodies, measured just before by this same process: a server that ends a storm sooner
-    is not credited with the quiet time after it."""
+    """`--storms` storms of `--big-bodies` concurrent JSON bodies of `--big-body-mb` each
+    (sent by a child: cl.BigBodySender), beside `--side-load` times the mix's rate. The
+    other traffic's p99 per model counts the requests under way during a storm, against
+    the same load without bodies just before (a server that ends a storm sooner is not
+    credited with the quiet time after it)."""
     base, slos = mix("dstack")
     rates = {m: r * args.side_load for m, r in base.items()}
     with serving(config("dstack", "bodies", top=args.top), OUT / "bodies.log") as srv, \
@@ -516,11 +514,8 @@ def big_bodies(args: argparse.Namespace) -> Row:
 
 def refusal_cost(args: argparse.Namespace) -> list[Row]:
     """What a refusal from the header costs the server: the dstack mix with SLOs of 1 ms
-    (no plan meets them: every request is refused from its header, `unplanned`, and no
-    worker runs), `--refusal-requests` one-item requests of resnet18 (a 600 KB binary
-    body each) sent back to back on 8 kept-alive connections. The server's CPU per
-    request, user and kernel, from /proc; with front ends (`--frontends`), the dispatch
-    process's (`server_*`) and the front ends' together (`frontends_us`)."""
+    (no plan meets them: every request is refused from its header, `unplanned`),
+    `--refusal-requests` one-item resnet18 requests (600 KB bodies); see `_server_cost`."""
     out = []
     for n in args.frontends:
         cfg = config("dstack", f"refusal-cost-{n}", {"frontends": n})
@@ -541,12 +536,8 @@ ACCEPT_CONFIG = {"device": "cpu", "policy": "shared", "worker_nice": 0, "models"
 
 def accept_cost(args: argparse.Namespace) -> list[Row]:
     """What an answered request costs the server's processes, the worker's compute aside:
-    one model of next to no compute on the same 600 KB input (`pool_linear`,
-    `ACCEPT_CONFIG`: policy `shared`, SLO 1 s), `--accept-requests`
-    one-item requests sent back to back on 8 kept-alive connections, every one answered
-    (`answered_per_s` under `per_s` says some were refused: their CPU is in the figures).
-    With front ends (`--frontends`): how much of it the dispatch process still spends
-    (`server_*`) and what the front ends spend (`frontends_us`)."""
+    `--accept-requests` one-item requests of `ACCEPT_CONFIG`'s model (`answered_per_s`
+    under `per_s` says some were refused: their CPU is in the figures); see `_server_cost`."""
     out = []
     for n in args.frontends:
         cfg = OUT / f"accept-cost-{n}.yaml"
@@ -559,7 +550,9 @@ def accept_cost(args: argparse.Namespace) -> list[Row]:
 
 def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> Row:
     """`n` one-item requests of `model` back to back on 8 kept-alive connections to a
-    server of `cfg`: its processes' CPU per request."""
+    server of `cfg` (once per `--frontends` value): its CPU per request, user and kernel
+    (`server_*`: with front ends, the dispatch process's), and the front ends' together
+    (`frontends_us`), from /proc."""
     conns = 8
     name = cfg.stem
     with serving(cfg, OUT / f"{name}.log") as srv:

@@ -18,22 +18,19 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
+from bench.servers import ROOT, get_json, serving
 from dstack.cluster.config import ClusterConfig, parse_cluster
 from dstack.common.types import load_profiles
 from dstack.simulate.ideal import cost_per_request_s
 
-H100 = Path(__file__).resolve().parent.parent / "profiles" / "nvidia-h100-80gb-hbm3"
+H100 = ROOT / "profiles" / "nvidia-h100-80gb-hbm3"
 H100_MEMORY_MB = 81559.0
 
 
@@ -76,7 +73,7 @@ REAL_MIX = (("tiny_cnn", "tiny_cnn", 300, 20.0), ("mobilenet", "mobilenet_v3_sma
 def real_config(n_nodes: int, plan_scale: float) -> dict[str, Any]:
     """`n_nodes` one-core CPU nodes (cores 0, 1, ...) serving `REAL_MIX` planned at
     `plan_scale` x its rates; the placement stays as started (the nodes adapt)."""
-    cpu = Path(__file__).resolve().parent.parent / "profiles" / "cpu"
+    cpu = ROOT / "profiles" / "cpu"
     return {
         "policy": "dstack",
         "ingress": {"replace_on_drift": False},
@@ -85,25 +82,6 @@ def real_config(n_nodes: int, plan_scale: float) -> dict[str, Any]:
         "models": [{"name": n, "zoo_name": z, "slo_ms": slo, "rate_rps": r * plan_scale,
                     "max_batch_size": 8} for n, z, slo, r in REAL_MIX],
     }
-
-
-@contextmanager
-def cluster_serving(config: Path, log: Path, ready_timeout_s: float = 400) -> Iterator[str]:
-    """A `dstack cluster serve` subprocess (its own local Ray) on a free 127.0.0.1 port,
-    ready; stopped by its PID (SIGINT, then kill) on every path. Yields its URL."""
-    from bench.servers import DSTACK, ROOT, free_port, interrupt, wait_ready
-
-    port = free_port()
-    host = f"http://127.0.0.1:{port}"
-    with log.open("w") as lf:
-        proc = subprocess.Popen([str(DSTACK), "cluster", "serve", "--config", str(config),
-                                 "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        wait_ready(proc, host, log, ready_timeout_s, "cluster")
-        yield host
-    finally:
-        interrupt(proc, 60)
 
 
 def attainment(out: dict[str, Any]) -> dict[str, float]:
@@ -160,8 +138,10 @@ def run_real(seconds: float, target: float, outdir: Path) -> int:
         cfg.write_text(yaml.safe_dump(real_config(n_nodes, plan_scale)))
         print(f"{n_nodes} one-core node(s), planned at scale {plan_scale:g}; load average "
               f"{os.getloadavg()[0]:.2f}", flush=True)
-        with cluster_serving(cfg, outdir / f"cluster-{n_nodes}.log") as host:
-            placed = json.loads(urllib.request.urlopen(host + "/v1/cluster").read())
+        with serving(cfg, outdir / f"cluster-{n_nodes}.log", 400,
+                     command=("cluster", "serve"), grace_s=60) as srv:
+            host = srv.host
+            placed = get_json(host + "/v1/cluster")
             print(f"  placement: {placed['serving']}", flush=True)
             results[n_nodes] = highest_scale(host, seconds, start, target, log)
         rate = results[n_nodes] * sum(r for *_, r in REAL_MIX)

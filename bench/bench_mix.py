@@ -35,7 +35,7 @@ from typing import Any
 
 from bench.ceiling import InProcess, contenders, figure
 from bench.loads import open_loop, p99
-from bench.servers import ROOT, models_of, peak_rss_mb, serving
+from bench.servers import ROOT, peak_rss_mb, rates_slos, serving
 from bench.single import bench_single
 
 POLICIES = ("temporal", "shared", "spatial", "dstack")
@@ -43,9 +43,7 @@ POLICIES = ("temporal", "shared", "spatial", "dstack")
 
 def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) -> dict[str, Any]:
     config = ROOT / f"configs/bench-mix-{policy}.yaml"
-    models = models_of(config)
-    base = {m["name"]: float(m["rate_rps"]) for m in models}
-    slos = {m["name"]: float(m["slo_ms"]) for m in models}
+    base, slos = rates_slos(config)
     points = []
     with serving(config, outdir / f"server-mix-{policy}.log") as srv:
         # Warm the HTTP path and the workers before measuring.

@@ -25,12 +25,9 @@ import numpy as np
 from bench.servers import get_json
 
 TIMEOUT_S = 30.0  # a request not answered in this long is a hang
-# A refused client sends again after this long. On one small machine the clients share the
-# cores with the server's workers: a client that sends again at once spins at the rate the
-# server refuses (over 1,000 requests a second for one model on this 2-core machine), and
-# its own CPU then starves the batches it waits for. In `temporal`'s 3 s smoke run,
-# mobilenet_v3_small went unanswered in 2 of 22 runs so; with 5 ms, in none of 18
-# (docs/benchmarks.md).
+# A refused client sends again after this long: on a small machine a client that sends again
+# at once spins at the rate the server refuses, and its own CPU starves the batches it waits
+# for (docs/decisions.md).
 REFUSAL_PAUSE_S = 0.005
 
 
@@ -77,15 +74,9 @@ class Counts:
                 + self.client_errors)
 
     def add(self, other: Counts) -> None:
-        self.within_slo += other.within_slo
-        self.late += other.late
-        self.refused.update(other.refused)
-        self.other_4xx.update(other.other_4xx)
-        self.server_5xx.update(other.server_5xx)
-        self.timeouts += other.timeouts
-        self.connection_errors += other.connection_errors
-        self.client_errors += other.client_errors
-        self.latencies_ms += other.latencies_ms
+        for k in ("within_slo", "late", "timeouts", "connection_errors", "client_errors",
+                  "refused", "other_4xx", "server_5xx", "latencies_ms"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
         self.elapsed_s = max(self.elapsed_s, other.elapsed_s)
 
     def to_json(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ that alternate with the model's in-process windows (`bench.ceiling`)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,7 @@ import numpy as np
 
 from bench.ceiling import InProcess, ceiling_ratio
 from bench.loads import TritonClients
-from bench.servers import Server, model_stats, models_of, peak_rss_mb, serving
-
-
-def _cpu(p: Any) -> float:
-    t = p.cpu_times()
-    return float(t.user + t.system)
+from bench.servers import Server, cpu_s, model_stats, models_of, peak_rss_mb, serving
 
 
 def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
@@ -32,9 +28,7 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
     slo = float(models_of(config)[0]["slo_ms"])
 
     async def measure(srv: Server, direct: InProcess) -> list[dict[str, float]]:
-        import psutil
-
-        server, me = psutil.Process(srv.pid), psutil.Process()
+        pids = (srv.pid, os.getpid())  # the server, these clients
         tc = TritonClients(srv.host, model, clients)
         try:
             await tc.window(1.0, slo)  # connect and warm the HTTP path and the worker
@@ -45,9 +39,9 @@ def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
                 # Where the time goes, over the whole server window (warm-up included):
                 # the worker's busy share (its batches' compute time from the stats) and
                 # the CPU the server and the clients spend per answered request.
-                s0, c0, m0, t0 = model_stats(srv.host, model), _cpu(server), _cpu(me), time.time()
+                s0, (c0, m0), t0 = model_stats(srv.host, model), [*map(cpu_s, pids)], time.time()
                 rps, good, p99, refused = await tc.window(window_s, slo, warmup_s)
-                s1, c1, m1, t1 = model_stats(srv.host, model), _cpu(server), _cpu(me), time.time()
+                s1, (c1, m1), t1 = model_stats(srv.host, model), [*map(cpu_s, pids)], time.time()
                 n = max(1, s1["inference_count"] - s0["inference_count"])
                 out.append({"batch": b, "ceiling_items_s": ceil, "rps": rps,
                             "goodput_rps": good, "p99_ms": p99, "refused": refused,
