@@ -17,17 +17,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from dstack.common.config import PolicyName, parse_config
-from dstack.common.types import Profile, load_profiles
+from dstack.common.types import load_profiles, scaled
 from dstack.simulate import format_table, generate, simulate
 from dstack.simulate.engine import COMPILED
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def scaled(p: Profile, name: str, factor: float) -> Profile:
-    cells = tuple(replace(c, p50_ms=c.p50_ms * factor, p95_ms=c.p95_ms * factor)
-                  for c in p.cells)
-    return replace(p, model=name, cells=cells)
 
 
 def main() -> None:
@@ -44,7 +38,7 @@ def main() -> None:
     profiles, models = {}, []
     for i, (k, f) in enumerate(zip(kinds, factors, strict=True)):
         name = f"m{i}-{k}"
-        profiles[name] = scaled(base[k], name, f)
+        profiles[name] = replace(scaled(base[k], f), model=name)
         models.append({"name": name, "slo_ms": slos[k], "max_batch_size": 32, "rate_rps": 100})
     cfg = parse_config({"device": "cuda", "policy": "shared", "models": models})
     t0 = time.perf_counter()

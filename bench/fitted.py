@@ -1,19 +1,13 @@
 """Configs fitted to the machine they run on (`fitted_config`).
 
 The benchmark configs (`configs/bench-*.yaml`) give SLOs and rates chosen for the machine
-their profiles came from (`profiles/cpu`: an Intel Xeon). On a machine 3x slower the same
-SLOs cannot be met at all, and a test or benchmark that used them as written measured the
-machine, not the server. So every benchmark and test that starts a server from such a
-config first measures how much slower (or faster) this machine is than its profiles say,
-`machine_factor`: the median over the config's models of one batch of one item on one
-core, here against the profile's cell for the same (a fresh process per model, its
-warm-up excluded). The fitted config has every `slo_ms` (and `max_queue_delay_ms`)
-multiplied by that factor and every `rate_rps` divided by it, so that the load is the same
-share of this machine as of the profiled one. A factor below 1 (a faster machine) is
-taken as 1: the SLOs stay as written.
-
-`DSTACK_MACHINE_FACTOR` in the environment sets the factor instead of measuring it (for
-a rerun with the same factor).
+their profiles came from (`profiles/cpu`); on a machine 3x slower the same SLOs cannot be
+met at all. So every benchmark and test that starts a server from such a config first
+measures `machine_factor`: how much slower this machine runs the config's models than the
+profiles say (the median over the models of one item on one core, in a fresh process, its
+warm-up excluded). The fitted config has every `slo_ms` and `max_queue_delay_ms` times that
+factor and every `rate_rps` divided by it. A factor below 1 (a faster machine) is taken as
+1. `DSTACK_MACHINE_FACTOR` in the environment sets the factor instead of measuring it.
 
 `python -m bench.fitted CONFIG` prints the factor and the fitted config.
 """

@@ -1,24 +1,17 @@
 """Hostile KServe v2 infer requests: a valid request for a model, then mutated.
 
 Pure and seeded: `fuzz_case(rng, models)` turns a `random.Random` into one `FuzzCase`
-(method, path, headers, body), starting from a valid request built from the models'
-metadata (`GET /v2/models/{m}`, as `server.app.model_metadata` writes it) and applying a
-few of the mutations below. The in-process test (`tests/integration/test_fuzz_http.py`)
-draws the `Random` from hypothesis, so that its runs repeat and failures shrink; the
-benchmark (`bench/bench_chaos.py`) draws 100,000 from a seed against a real server.
-
-What a server must do with every case: answer, never with a 5xx, and every error as JSON
-`{"error": "..."}`. Mutations: JSON structure (keys removed, added, renamed, replaced with
-junk of every JSON type, deep nesting), shapes (huge claims such as [10^9, 3, 224, 224],
-negative, zero, floats, booleans, strings, too many dimensions), datatypes, tensor names
-(wrong, duplicated, extra inputs), data (wrong length, ragged, strings, NaN / Infinity
-tokens, out-of-range integers, 1e400), the binary extension (binary_data_size wrong,
-negative, huge, on a JSON tensor; Inference-Header-Content-Length missing, wrong,
-negative, non-numeric, beyond the body), `outputs` and `parameters` (binary_data flags
-of the wrong type, classification, shared memory), the encoding (duplicate keys, non-UTF-8
-bytes, a BOM, UTF-16, truncation, flipped bytes, trailing garbage), Content-Type and
-Content-Length headers, Content-Encoding (bodies gzip- or deflate-compressed, cut short,
-or said to be and not), chunked bodies, methods, and paths.
+(method, path, headers, body) from the models' metadata (`GET /v2/models/{m}`) and a few
+mutations: JSON structure (keys removed, added, renamed, junk of every JSON type, deep
+nesting), shapes (huge, negative, zero, non-integer, too many dimensions), datatypes,
+tensor names, data (wrong length, ragged, strings, NaN / Infinity, out of range), the
+binary extension (binary_data_size and Inference-Header-Content-Length wrong, negative,
+huge, junk), `outputs` and `parameters`, the encoding (duplicate keys, non-UTF-8, BOM,
+UTF-16, truncation, flipped bytes, trailing garbage), Content-Type, Content-Length and
+Content-Encoding headers, chunked bodies, methods and paths. The in-process test
+(`tests/integration/test_fuzz_http.py`) draws the `Random` from hypothesis; the chaos
+benchmark draws 100,000 from a seed against a real server. A server must answer every
+case, never with a 5xx, and every error as JSON `{"error": "..."}`.
 """
 
 from __future__ import annotations
