@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
 
 from dstack.common.config import DeployConfig
 from dstack.common.slices import CpuSlices, MpsSlices, SliceBackend
@@ -62,13 +61,10 @@ def lane_widths(backend: SliceBackend, profiles: dict[str, Profile]) -> tuple[fl
 
 
 def _instance(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBackend,
-              rates: dict[str, float] | None, margin: float,
-              shape: Mapping[str, Sequence[float]] | None = None
+              rates: dict[str, float] | None, margin: float
               ) -> tuple[LaneInstance, list, list[tuple[str, str]], bool]:
-    """The lane search's instance for `cfg` at `rates` (with `shape`: each served model's
-    burst shape, `LaneModel.shape`; a model it does not name is steady): (instance, the
-    served models' configs, the models no lane can serve with why, whether some rate was
-    guessed)."""
+    """The lane search's instance for `cfg` at `rates`: (instance, the served models'
+    configs, the models no lane can serve with why, whether some rate was guessed)."""
     grow = 1.0 + cfg.rate_headroom
     served, unserved = [], []
     for m in cfg.models:
@@ -83,7 +79,6 @@ def _instance(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBac
             continue
         served.append(m)
     workers = Counter(public_name(m.name) for m in cfg.models)
-    scenarios = max((len(v) for v in (shape or {}).values()), default=0)
     models = []
     guessed = False  # some rate unknown: its guess is no demand to leave a model out for
     for m in served:
@@ -97,20 +92,17 @@ def _instance(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBac
                                 candidate_batches(prof, m.max_batch_size),
                                 planning_latency(prof, margin=margin),
                                 low=m.priority is Priority.LOW, grown_rps=grow * rate,
-                                workers=workers[public_name(m.name)],
-                                shape=tuple((shape or {}).get(public_name(m.name),
-                                                              (1.0,) * scenarios))))
+                                workers=workers[public_name(m.name)]))
     return LaneInstance(tuple(models), lane_widths(backend, profiles)), served, unserved, \
         guessed
 
 
 def predicted_goodput(plan: LanePlan, cfg: DeployConfig, profiles: dict[str, Profile],
                       backend: SliceBackend, rates: dict[str, float], *,
-                      margin: float = LATENCY_MARGIN,
-                      shape: Mapping[str, Sequence[float]] | None = None) -> float:
-    """G of `plan`'s lanes and caps (as they are) at `rates` (and `shape`): how well the
-    plan in force would do at the rates measured now, to compare with a re-plan for them."""
-    inst = _instance(cfg, profiles, backend, rates, margin, shape)[0]
+                      margin: float = LATENCY_MARGIN) -> float:
+    """G of `plan`'s lanes and caps (as they are) at `rates`: how well the plan in force
+    would do at the rates measured now, to compare with a re-plan for them."""
+    inst = _instance(cfg, profiles, backend, rates, margin)[0]
     index = {m.name: i for i, m in enumerate(inst.models)}
     total = 0.0
     for lane in plan.lanes:
@@ -125,18 +117,14 @@ def predicted_goodput(plan: LanePlan, cfg: DeployConfig, profiles: dict[str, Pro
 
 def plan_lanes(cfg: DeployConfig, profiles: dict[str, Profile], backend: SliceBackend | None,
                rates: dict[str, float] | None = None, *,
-               margin: float = LATENCY_MARGIN,
-               shape: Mapping[str, Sequence[float]] | None = None
-               ) -> tuple[LanePlan, Schedule, Reference]:
+               margin: float = LATENCY_MARGIN) -> tuple[LanePlan, Schedule, Reference]:
     """The lane plan, its schedule (lanes side by side, each lane's batches one after
-    another), and the baseline assignments it was compared with. `shape`: the measured
-    burst shape of the arrivals (`RateTracker.burst_shape`): the plan then maximises the
-    expected goodput over it."""
+    another), and the baseline assignments it was compared with."""
 
     t0 = time.perf_counter()
     if backend is None:
         backend = backend_of(profiles)
-    inst, served, unserved, guessed = _instance(cfg, profiles, backend, rates, margin, shape)
+    inst, served, unserved, guessed = _instance(cfg, profiles, backend, rates, margin)
     fills: list[LaneModel] = []
     if any(not m.low for m in inst.models):  # low priority only fills the others' gaps
         fills = [m for m in inst.models if m.low]

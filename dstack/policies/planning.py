@@ -7,7 +7,7 @@ exactly the same policy for the same inputs.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,13 +192,11 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
                  rates: dict[str, float] | None = None,
                  profiles: dict[str, Profile] | None = None,
                  replicas: dict[str, int] | None = None,
-                 guests: dict[str, str] | None = None,
-                 shape: Mapping[str, Sequence[float]] | None = None) -> PolicySetup:
+                 guests: dict[str, str] | None = None) -> PolicySetup:
     """The policy for `cfg` on `backend`. `rates`: measured rates per served model (a
     re-plan; default the configured ones). `replicas`: workers per model, fixed (a re-plan
     keeps the workers it has); default: chosen here for `dstack`, one for the others.
-    `guests`: the same for the `dstack` policy's guest workers (`add_guests`). `shape`: the
-    arrivals' measured burst shape, by served model (`plan_lanes`)."""
+    `guests`: the same for the `dstack` policy's guest workers (`add_guests`)."""
     if profiles is None:
         profiles = served_profiles(cfg, backend=backend)
     if backend.kind == "cpu":  # a server given fewer cores than were profiled
@@ -218,7 +216,7 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     tbatch: dict[str, int] = {}
     guest_map: dict[str, str] = {}
     if cfg.policy is PolicyName.DSTACK:
-        plan, schedule, _ = plan_lanes(cfg, profiles, backend, rates, shape=shape)
+        plan, schedule, _ = plan_lanes(cfg, profiles, backend, rates)
         if isinstance(plan, LanePlan):
             run_cfg, guest_map = add_guests(run_cfg, plan, cfg.borrow_lanes, guests)
             if guest_map:
@@ -328,8 +326,7 @@ def replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *, or
            profiles: dict[str, Profile] | None = None,
            horizon_s: float = float("inf"),
            start_s: Mapping[str, float] | None = None,
-           correcting: bool = False,
-           shape: Mapping[str, Sequence[float]] | None = None) -> Replan:
+           correcting: bool = False) -> Replan:
     """The `dstack` policy re-planned for the measured `rates` (per served model) with the
     workers it has, and whether to switch to it. The plan in force is scored at those
     rates with its lanes and caps as they are (with `profiles`, the ones to plan with, by
@@ -338,10 +335,9 @@ def replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *, or
     lasted: the new one is expected to last as long) outweighs `switch_cost` (`start_s`:
     how long each worker took to start). `correcting`: `profiles` correct the plan's own
     to what its batches take; a new plan that moves no worker is then taken whatever it
-    gains (its caps and estimates fit the batches served). `shape`: the arrivals' burst
-    shape; both plans are then scored by their expected goodput over it."""
+    gains (its caps and estimates fit the batches served)."""
     new = setup_policy(cfg, backend, origin=origin, rates=rates, profiles=profiles,
-                       replicas=current.replicas, guests=current.guests, shape=shape)
+                       replicas=current.replicas, guests=current.guests)
     if not isinstance(current.plan, LanePlan) or new.plan is None:
         return Replan(new)
     if correcting and not moved_workers(current, new):
@@ -349,7 +345,7 @@ def replan(cfg: DeployConfig, backend: SliceBackend, current: PolicySetup, *, or
     scored = (current.profiles if profiles is None
               else _replica_profiles(current.run_cfg, profiles))
     kept = predicted_goodput(current.plan, current.run_cfg, scored, backend,
-                             split_rates(rates, current.replicas) or {}, shape=shape)
+                             split_rates(rates, current.replicas) or {})
     gain = new.plan.objective - kept
     if gain <= kept * REPLAN_GAIN:
         return Replan(None)

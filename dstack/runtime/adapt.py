@@ -6,10 +6,7 @@ clock. The runtime samples the rates every `adapt.sample_s` seconds.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from dstack.common.config import DeployConfig
 
@@ -17,16 +14,6 @@ from dstack.common.config import DeployConfig
 #: samples' own spread): bursty arrivals swing far more than Poisson ones, and a plan
 #: re-made for each burst or lull is wrong for the next one.
 NOISE_Z = 2.0
-
-#: The burst shape is read off this many of the last sampling windows (`adapt.sample_s`
-#: each), and only once at least `SHAPE_MIN_WINDOWS` of them are in.
-SHAPE_WINDOWS = 60
-SHAPE_MIN_WINDOWS = 10
-#: A model's arrivals are bursty when their counts per window vary more than this many
-#: times their mean (the index of dispersion: 1 for Poisson arrivals).
-BURSTY_DISPERSION = 4.0
-#: Scenarios of a burst shape: windows at evenly spaced ranks of the device's total load.
-SHAPE_SCENARIOS = 8
 
 
 @dataclass
@@ -40,9 +27,6 @@ class RateTracker:
     _ewma: dict[str, float | None] = field(default_factory=dict)
     _var: dict[str, float] = field(default_factory=dict)
     _last: float | None = None
-    #: the last windows: (seconds, {model: arrivals})
-    _windows: deque[tuple[float, dict[str, int]]] = field(
-        default_factory=lambda: deque(maxlen=SHAPE_WINDOWS))
 
     def record(self, model: str, now: float, n: int = 1) -> None:
         """`n` arrivals of `model` at `now`."""
@@ -57,7 +41,6 @@ class RateTracker:
             return {m: self._ewma.get(m) or 0.0 for m in self.models}
         dt = max(now - self._last, 1e-9)
         a = self.alpha
-        self._windows.append((dt, {m: self._counts.get(m, 0) for m in self.models}))
         for m in self.models:
             r = self._counts.get(m, 0) / dt
             prev = self._ewma.get(m)
@@ -70,28 +53,6 @@ class RateTracker:
         self._counts.clear()
         self._last = now
         return {m: self._ewma[m] or 0.0 for m in self.models}
-
-    def burst_shape(self) -> dict[str, tuple[float, ...]] | None:
-        """The arrivals' burst shape, as the planner takes it (`plan_lanes(..., shape=)`):
-        each bursty model's rate over its mean in `SHAPE_SCENARIOS` of the last windows,
-        the same windows for every model (models that burst together stay together; a model
-        whose own arrivals are steady is left out: x1). None while every model's arrivals
-        are as steady as Poisson ones (`BURSTY_DISPERSION`) or fewer than
-        `SHAPE_MIN_WINDOWS` windows are in."""
-        if len(self._windows) < SHAPE_MIN_WINDOWS:
-            return None
-        dt = np.array([w for w, _ in self._windows])
-        mult = {}
-        for m in self.models:
-            counts = np.array([c.get(m, 0) for _, c in self._windows], dtype=float)
-            if counts.sum() > 0 and counts.var() > BURSTY_DISPERSION * counts.mean():
-                mult[m] = counts / dt / (counts.sum() / dt.sum())
-        if not mult:
-            return None
-        order = np.argsort(sum(mult.values()), kind="stable")  # by the bursty models' load
-        pick = [int(order[int((i + 0.5) * order.size / SHAPE_SCENARIOS)])
-                for i in range(SHAPE_SCENARIOS)]
-        return {m: tuple(float(v[i]) for i in pick) for m, v in mult.items()}
 
     def noise(self) -> dict[str, float]:
         """Each moving rate's standard error: its samples' spread, through the average."""
@@ -123,7 +84,6 @@ class ReplanTrigger:
     _last_plan: float | None = None
     _streak: int = 0
     _low_since: dict[str, float] = field(default_factory=dict)
-    shaped: bool = False  # the plan in force was made for a burst shape
 
     def drifting(self, rates: dict[str, float],
                  noise: dict[str, float] | None = None) -> list[str]:
@@ -141,10 +101,7 @@ class ReplanTrigger:
         return since is not None and now - since >= self.down_hold_s
 
     def should_replan(self, now: float, rates: dict[str, float],
-                      noise: dict[str, float] | None = None, bursty: bool = False) -> bool:
-        """Whether to re-plan now. Besides the rates' drift: arrivals that turned bursty or
-        steady since the plan in force, and a plan for a burst shape `down_hold_s` old (the
-        shape is read again), each once the plan in force is `hold_s` old."""
+                      noise: dict[str, float] | None = None) -> bool:
         if self._last_plan is None:
             self._last_plan = now
         drifting = self.drifting(rates, noise)
@@ -156,12 +113,8 @@ class ReplanTrigger:
         counts = [m for m in drifting if rates[m] > self.planned_rates.get(m, 0.0)
                   or self._low_long(m, now)]
         self._streak = self._streak + 1 if drifting else 0
-        age = now - self._last_plan
-        if age < self.hold_s:
-            return False
-        if bursty != self.shaped or (bursty and age >= self.down_hold_s):
-            return True
-        return bool(counts) and self._streak >= self.confirm
+        return (bool(counts) and self._streak >= self.confirm
+                and now - self._last_plan >= self.hold_s)
 
     def plan_rates(self, now: float, rates: dict[str, float]) -> dict[str, float]:
         """The rates to plan for: the measured ones, but the planned rate of each model
@@ -185,14 +138,12 @@ class ReplanTrigger:
         self._last_plan = now
         self._streak = 0
 
-    def planned(self, now: float, rates: dict[str, float], shaped: bool = False) -> None:
-        """Record that a plan for `rates` (`shaped`: and a burst shape) took effect at
-        `now`."""
+    def planned(self, now: float, rates: dict[str, float]) -> None:
+        """Record that a plan for `rates` took effect at `now`."""
         for m, r in rates.items():  # a rate planned anew is low no longer
             if r != self.planned_rates.get(m):
                 self._low_since.pop(m, None)
         self.planned_rates = dict(rates)
-        self.shaped = shaped
         self._last_plan = now
         self._streak = 0
 

@@ -176,11 +176,10 @@ class Replanner:
             rates = self.rates.sample(now)
             if self.busy:
                 continue
-            shape = self.rates.burst_shape()
             drift = self._drifted(now)
             if drift is not None:
                 profiles, said = drift
-                if await self.replan(self.trigger.plan_rates(now, rates), profiles, shape):
+                if await self.replan(self.trigger.plan_rates(now, rates), profiles):
                     log.warning("%s; planned again with those latencies scaled", said)
                     self._declined = None
                 elif said != self._declined:
@@ -189,8 +188,8 @@ class Replanner:
                                 "in force has lasted %.0f s; asked again later)",
                                 said, now - self._since)
                     self._declined = said
-            elif self.trigger.should_replan(now, rates, self.rates.noise(), shape is not None):
-                await self.replan(self.trigger.plan_rates(now, rates), shape=shape)
+            elif self.trigger.should_replan(now, rates, self.rates.noise()):
+                await self.replan(self.trigger.plan_rates(now, rates))
 
     def _drifted(self, now: float) -> tuple[dict[str, Profile], str] | None:
         """The plan's profiles scaled to the live estimates, where these have left them by
@@ -225,10 +224,8 @@ class Replanner:
                 f"{1000 * ratios[m][1]:.1f} ms (x{f:.2f})" for m, f in factors.items()))
 
     async def replan(self, rates: dict[str, float],
-                     profiles: dict[str, Profile] | None = None,
-                     shape: dict[str, tuple[float, ...]] | None = None) -> bool:
-        """Solve for `rates` (and the arrivals' burst `shape`, `RateTracker.burst_shape`)
-        off the loop, then hand over if the new plan is worth the
+                     profiles: dict[str, Profile] | None = None) -> bool:
+        """Solve for `rates` off the loop, then hand over if the new plan is worth the
         switch (`replan`: its gain over the time the plan in force has lasted against what
         starting the moved workers costs), with `profiles` (the plan's corrected to what its
         batches take) or the profiles of the plan in force. False (and the current plan
@@ -241,7 +238,7 @@ class Replanner:
                 profiles=profiles if profiles is not None else served_of(self.setup),
                 horizon_s=now - self._since if self.cfg.adapt.weigh_switch else float("inf"),
                 start_s=self._start_s() if self._start_s is not None else None,
-                correcting=profiles is not None, shape=shape)
+                correcting=profiles is not None)
             decided = await (self.solver.call(solve) if self.solver is not None
                              else asyncio.to_thread(solve))
             setup = decided.setup
@@ -250,7 +247,7 @@ class Replanner:
                     self.trigger.deferred(self._clock())
                     log.debug("re-plan for %s not yet worth its workers' starts", rates)
                 else:  # the plan in force predicts as much for these rates
-                    self.trigger.planned(self._clock(), rates, shape is not None)
+                    self.trigger.planned(self._clock(), rates)
                     log.debug("re-plan for %s kept the plan in force", rates)
                 return False
             await self._apply(setup, rates)
@@ -265,7 +262,7 @@ class Replanner:
         finally:
             self.busy = False
         self.replans += 1
-        self.trigger.planned(self._clock(), rates, shape is not None)
+        self.trigger.planned(self._clock(), rates)
         log.info("re-planned for rates %s",
                  ", ".join(f"{m}={r:.1f}/s" for m, r in rates.items()))
         return True

@@ -56,23 +56,22 @@ class SimReplanner:
             self.rates.record(name, now, arrived[k] - self.seen[k])
         self.seen = list(arrived)
         rates = self.rates.sample(now)
-        shape = self.rates.burst_shape()
-        if not self.trigger.should_replan(now, rates, self.rates.noise(), shape is not None):
+        if not self.trigger.should_replan(now, rates, self.rates.noise()):
             return None
         rates = self.trigger.plan_rates(now, rates)
         decided = replan(self.cfg, self.backend, self.setup, origin=now, rates=rates,
                          profiles=dict(self.profiles),
                          horizon_s=(now - self.since if self.cfg.adapt.weigh_switch
                                     else float("inf")),
-                         start_s=self.start_s, shape=shape)
+                         start_s=self.start_s)
         setup = decided.setup
         if setup is None:  # the plan in force is as good, or the switch not yet worth it
             if decided.pending:
                 self.trigger.deferred(now)
             else:
-                self.trigger.planned(now, rates, shape is not None)
+                self.trigger.planned(now, rates)
             return None
-        self.trigger.planned(now, rates, shape is not None)
+        self.trigger.planned(now, rates)
         self.setup, self.since = setup, now
         slices = setup.policy.slices()
         workers = {m.name: (slices[m.name].percent,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dstack.runtime.adapt import SHAPE_MIN_WINDOWS, SHAPE_SCENARIOS, RateTracker, ReplanTrigger
+from dstack.runtime.adapt import RateTracker, ReplanTrigger
 from dstack.simulate.workload import WorkloadError, generate, trace_counts
 
 
@@ -109,35 +109,3 @@ def test_a_lull_of_one_model_keeps_its_planned_rate_while_another_rises() -> Non
     assert not any(trig.should_replan(t, low) for t in (3.0, 30.0, 60.0))
     assert trig.should_replan(62.0, low) or trig.should_replan(63.0, low)
     assert trig.plan_rates(63.0, low) == low
-
-
-def test_bursty_arrivals_give_a_burst_shape_and_steady_ones_none() -> None:
-    both, steady = RateTracker(["steady", "bursty"]), RateTracker(["steady"])
-    rng = np.random.default_rng(1)
-    both.sample(0.0), steady.sample(0.0)
-    for k in range(40):  # Poisson at 100/s; and 300/s one second in four (75/s on average)
-        n = int(rng.poisson(100))
-        both.record("steady", k + 0.5, n), steady.record("steady", k + 0.5, n)
-        both.record("bursty", k + 0.5, 300 if k % 4 == 0 else 0)
-        both.sample(k + 1.0), steady.sample(k + 1.0)
-        if k + 1 < SHAPE_MIN_WINDOWS:  # too few windows to tell
-            assert both.burst_shape() is None
-    assert steady.burst_shape() is None  # Poisson arrivals: plan for their rate alone
-    shape = both.burst_shape()
-    assert shape is not None
-    assert "steady" not in shape  # a steady model beside bursty ones stays x1
-    mult = shape["bursty"]
-    assert len(mult) == SHAPE_SCENARIOS and set(mult) == {0.0, 4.0}
-    assert np.mean(mult) == pytest.approx(1.0, abs=0.3)  # a quarter of the windows at 4x
-
-
-def test_arrivals_that_turn_bursty_are_planned_for_once_then_read_again_later() -> None:
-    trig = ReplanTrigger({"m": 75.0}, hold_s=5.0, down_hold_s=60.0)
-    rates = {"m": 75.0}  # no drift: only the shape asks
-    trig.planned(0.0, rates)
-    assert not trig.should_replan(3.0, rates, bursty=True)  # the plan in force is too young
-    assert trig.should_replan(6.0, rates, bursty=True)
-    trig.planned(6.0, rates, shaped=True)
-    assert not any(trig.should_replan(t, rates, bursty=True) for t in (12.0, 30.0, 65.0))
-    assert trig.should_replan(67.0, rates, bursty=True)  # the shape is read again
-    assert trig.should_replan(12.0, rates, bursty=False)  # steady again: plan for the rate

@@ -9,7 +9,6 @@ import pytest
 
 from dstack.common.config import DeployConfig, PolicyName, parse_config
 from dstack.common.slices import CpuSlices, MpsSlices
-from dstack.policies.lane_planning import predicted_goodput
 from dstack.policies.planning import (
     REPLAN_GAIN,
     Replan,
@@ -248,48 +247,3 @@ def test_the_replanner_weighs_a_switch_against_the_time_its_plan_has_lasted() ->
     assert asyncio.run(rp.replan(hot)) and rp.setup is applied[0]
     # the new plan dates from its switch: another switch must be worth it over its own age
     assert rp._since == 3600.0
-
-
-def burst_mix() -> DeployConfig:
-    """vit_b_16 and efficientnet_b0 on the H100, the device about 97% used at their mean
-    rates (the policy suite's bursty mix m36b)."""
-    return parse_config({
-        "device": "cuda", "policy": "dstack",
-        "profiles": str(ROOT / "profiles" / "nvidia-h100-80gb-hbm3"),
-        "models": [
-            {"name": "vit_b_16", "slo_ms": 42.5, "max_batch_size": 32, "rate_rps": 804,
-             "max_queue_delay_ms": 2},
-            {"name": "efficientnet_b0", "slo_ms": 11.06, "max_batch_size": 16,
-             "rate_rps": 2716, "max_queue_delay_ms": 2},
-        ]})
-
-
-def test_a_plan_for_bursty_arrivals_gives_the_cheap_model_room_for_its_bursts() -> None:
-    cfg = burst_mix()
-    backend = MpsSlices(100)
-    profiles = served_profiles(cfg, check_device=False)
-    # each model on half the time at twice its mean rate, independently
-    shape = {"vit_b_16": (0, 0, 0, 0, 2, 2, 2, 2), "efficientnet_b0": (0, 2, 0, 2, 0, 2, 0, 2)}
-    steady = setup_policy(cfg, backend, origin=0.0, profiles=profiles)
-    bursty = setup_policy(cfg, backend, origin=0.0, profiles=profiles, shape=shape)
-    assert steady.plan is not None and bursty.plan is not None
-    # when both burst at once the device cannot serve both: a request of efficientnet_b0
-    # takes a tenth of vit_b_16's, so the plan for the shape gives it a wider lane
-    assert bursty.plan.for_model("efficientnet_b0").percent \
-        > steady.plan.for_model("efficientnet_b0").percent
-    rates = {m.name: m.rate_rps for m in cfg.models}
-    assert bursty.plan.objective > predicted_goodput(steady.plan, steady.run_cfg,
-                                                     steady.profiles, backend, rates,
-                                                     shape=shape)
-
-
-def test_on_bursty_arrivals_the_simulator_plans_for_their_shape_and_beats_fixed_slices(
-        ) -> None:
-    cfg = burst_mix()
-    profiles = served_profiles(cfg, check_device=False)
-    arrivals = generate("bursty:compress=10", {m.name: m.rate_rps for m in cfg.models}, 40.0,
-                        323113878)
-    sim = simulate(cfg, profiles, arrivals, [PolicyName.DSTACK, PolicyName.SPATIAL], 40.0)
-    dstack, spatial = sim.reports
-    assert sim.results["dstack"].replans >= 1
-    assert dstack.goodput_rps >= spatial.goodput_rps  # 0.96x before plans read the shape
