@@ -352,6 +352,7 @@ def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneE
     for m, t in zip(ms, tabs, strict=True):
         targets.update(m.slo_ms - x for x in t if m.slo_ms - x > lo)
     best = score_lane(inst, members, width, [m.batches[0] for m in ms], shaped=False)
+    seen = {best.caps}  # many targets give the same caps: each is scored once
     for rs in sorted(targets):
         idx = []
         for m, t in zip(ms, tabs, strict=True):
@@ -366,8 +367,11 @@ def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneE
                     / max(ms[k].rate_rps * rs / 1000.0, 1e-9))
             total -= tabs[k][idx[k]] - tabs[k][idx[k] - 1]
             idx[k] -= 1
-        ev = score_lane(inst, members, width,
-                        [m.batches[j] for m, j in zip(ms, idx, strict=True)], shaped=False)
+        caps = tuple(m.batches[j] for m, j in zip(ms, idx, strict=True))
+        if caps in seen:
+            continue
+        seen.add(caps)
+        ev = score_lane(inst, members, width, caps, shaped=False)
         if ev.key > best.key:
             best = ev
     return score_lane(inst, members, width, best.caps) if ms[0].shape else best
@@ -391,6 +395,8 @@ class Lanes:
         self.cap_units = round(inst.capacity * 1000) // self.step
         self._memo: dict[tuple[int, float], LaneEval] = {}
         self._greedy: LaneChoice | None = None
+        self._width_units = [(w, self.units[w]) for w in inst.widths]
+        self._prefixes: dict[tuple[int, ...], dict[int, _State]] = {}  # `widths_for`
 
     def lane(self, mask: int, width: float) -> LaneEval:
         key = (mask, width)
@@ -406,24 +412,38 @@ class Lanes:
 
     def widths_for(self, masks: Sequence[int]) -> _State:
         """Multiple-choice knapsack: one width per lane, total <= capacity, best key."""
-        # states: units used -> (key, chosen lanes)
+        # states: units used -> (key, chosen lanes), after each prefix of `masks`: the
+        # greedy's lists of lanes share most of their prefixes, so each is computed once.
         states: dict[int, _State] = {0: ((0.0, 0.0, 0.0), [])}
+        prefix: tuple[int, ...] = ()
         for mask in masks:
-            nxt: dict[int, _State] = {}
-            for used, (key, chosen) in states.items():
-                for w in self.inst.widths:
-                    u = used + self.units[w]
-                    if u > self.cap_units:
-                        continue
-                    ev = self.lane(mask, w)
-                    k2 = (key[0] + ev.value, key[1] + ev.grown, key[2] + ev.robust)
-                    old = nxt.get(u)
-                    if old is None or k2 > old[0]:
-                        nxt[u] = (k2, [*chosen, ev])
+            prefix += (mask,)
+            nxt = self._prefixes.get(prefix)
+            if nxt is None:
+                nxt = self._prefixes[prefix] = self._add_lane(states, mask)
             states = nxt
         if not states:
             return (-math.inf, -math.inf, -math.inf), []
         return max(states.values(), key=lambda s: s[0])
+
+    def _add_lane(self, states: dict[int, _State], mask: int) -> dict[int, _State]:
+        """The knapsack's states with lane `mask` added at each width that fits."""
+        nxt: dict[int, _State] = {}
+        cap = self.cap_units
+        row: dict[float, LaneEval] = {}  # a width's lane is scored when first taken
+        for used, (key, chosen) in states.items():
+            for w, units in self._width_units:
+                u = used + units
+                if u > cap:
+                    continue
+                ev = row.get(w)
+                if ev is None:
+                    ev = row[w] = self.lane(mask, w)
+                k2 = (key[0] + ev.value, key[1] + ev.grown, key[2] + ev.robust)
+                old = nxt.get(u)
+                if old is None or k2 > old[0]:
+                    nxt[u] = (k2, [*chosen, ev])
+        return nxt
 
     def exact(self) -> LaneChoice:
         """Every set partition, widths by the knapsack: a subset DP over (mask, units)."""
