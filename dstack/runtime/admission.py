@@ -126,11 +126,17 @@ class EarlyAdmission:
             raise Unavailable(f"model {model} is being unloaded "
                               f"({self.repo_state[model].reason}): it takes no new requests")
         workers = self.workers(model)
-        if not any(self.supervisor.accepting(w) for w in workers):
+        sup = self.supervisor
+        for w in workers:  # loops, not any(...): asked several times for every request
+            if sup.accepting(w):
+                break
+        else:
             raise Unavailable(f"model {model} is not ready")
-        if not isinstance(self.supervisor, Supervisor) or any(
-                self.supervisor.is_ready(w) for w in workers):
+        if not isinstance(sup, Supervisor):
             return
+        for w in workers:
+            if sup.is_ready(w):
+                return
         infos = [i for i in (self.supervisor.restart_info(w) for w in workers)
                  if i.expected_ready() is not None]
         if not infos:  # starting, or a start never measured: queue it as before

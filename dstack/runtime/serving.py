@@ -94,6 +94,49 @@ LAG_TICK_S = 0.01
 LAG_TAU_S = 1.0
 
 
+class Wake:
+    """The dispatcher's wake-up: `set()` from the loop; `wait(timeout_s)` returns once it is
+    set or after `timeout_s`. asyncio.Event under asyncio.timeout did the same for about
+    2.5 times the CPU (21 us a wait against 8 on uvloop: a Timeout context, its timer and
+    the event's waiter each time); here a wait is one future and one timer. A cancelled
+    wait raises CancelledError (3.11's wait_for could swallow one racing the event)."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._set = True
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    async def wait(self, timeout_s: float) -> None:
+        if self._set:
+            return
+        loop = asyncio.get_running_loop()
+        w = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake_up, w)
+        try:
+            await w
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _wake_up(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_result(None)
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """A request's payload in the core: its inputs and the future that answers it."""
@@ -157,6 +200,8 @@ class Runtime(EarlyAdmission):
         self.specs: dict[str, ModelSpec] = {m.name: served_spec(m) for m in cfg.models}
         self.batch_log: deque[BatchRecord] = deque(maxlen=keep_batch_log)
         self.setup: PolicySetup | None = None
+        # `workers(model)` by model, for the setup they were worked out from
+        self._workers_of: tuple[PolicySetup | None, dict[str, tuple[str, ...]]] = (None, {})
         self.core: DispatchCore | None = None
         self._clock = clock
         self.supervisor: WorkerPool = supervisor if supervisor is not None else Supervisor(
@@ -179,7 +224,7 @@ class Runtime(EarlyAdmission):
         # Double buffering (`double_buffer`): each worker's arena halves, by worker.
         self._stagers: weakref.WeakKeyDictionary[WorkerHandle, Stager] = (
             weakref.WeakKeyDictionary())
-        self._wake = asyncio.Event()
+        self._wake = Wake()
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self._adapter: asyncio.Task[None] | None = None
@@ -473,10 +518,18 @@ class Runtime(EarlyAdmission):
     def workers(self, model: str) -> tuple[str, ...]:
         """The workers serving `model`: itself, then its replicas (`m#1`, ...), then its
         guest workers on other lanes (`m#g1`, ...)."""
-        if self.setup is None:
+        setup = self.setup
+        if setup is None:
             return (model,)
-        guests = tuple(g for g, h in self.setup.guests.items() if public_name(h) == model)
-        return replica_names(model, self.setup.replicas.get(model, 1)) + guests
+        known, by_model = self._workers_of
+        if known is not setup:  # a new plan: worked out again (asked several times a request)
+            by_model = {}
+            self._workers_of = (setup, by_model)
+        got = by_model.get(model)
+        if got is None:
+            guests = tuple(g for g, h in setup.guests.items() if public_name(h) == model)
+            got = by_model[model] = replica_names(model, setup.replicas.get(model, 1)) + guests
+        return got
 
     def is_model_ready(self, model: str) -> bool:
         self.spec(model)
@@ -549,9 +602,13 @@ class Runtime(EarlyAdmission):
     def _restarting(self, model: str) -> bool:
         """No worker of the model is ready and one is restarting."""
         sup = self.supervisor
+        if not isinstance(sup, Supervisor):
+            return False
         workers = self.workers(model)
-        return (isinstance(sup, Supervisor) and not any(sup.is_ready(w) for w in workers)
-                and any(sup.restart_info(w).died_at is not None for w in workers))
+        for w in workers:  # a loop, not any(...): asked for every request
+            if sup.is_ready(w):
+                return False
+        return any(sup.restart_info(w).died_at is not None for w in workers)
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray],
                     since_received_s: float = 0.0) -> dict[str, np.ndarray]:
@@ -599,11 +656,7 @@ class Runtime(EarlyAdmission):
                 wake = now + WAKE_NUDGE_S
             timeout = MAX_IDLE_S if wake is None else min(MAX_IDLE_S, wake - self._clock())
             if timeout > 0:
-                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-                # that races with the event, and then stop() would wait forever.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await self._wake.wait()
+                await self._wake.wait(timeout)
             else:
                 await asyncio.sleep(0)
 
