@@ -155,16 +155,20 @@ def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec,
     memory (`server.codec.parse_request`'s). `raw_contents`: its `raw_input_contents`
     where `read_infer_request` cut them out of `msg`. Raises RequestError naming what is
     wrong."""
-    if "classification" in msg.parameters:
-        raise RequestError("classification is not supported")
-    if any(p in msg.parameters for p in SHM_PARAMS):
-        raise RequestError("request: shared-memory parameters belong to its inputs and "
-                           "outputs, not to the request")
-    if not msg.inputs:
+    # (each field of a protobuf message read once: every read makes a new wrapper)
+    request_params = msg.parameters
+    if request_params:
+        if "classification" in request_params:
+            raise RequestError("classification is not supported")
+        if any(p in request_params for p in SHM_PARAMS):
+            raise RequestError("request: shared-memory parameters belong to its inputs and "
+                               "outputs, not to the request")
+    inputs = msg.inputs
+    if not inputs:
         raise RequestError("request has no inputs")
     raw = msg.raw_input_contents if raw_contents is None else raw_contents
     # raw_input_contents holds one entry per input not in shared memory, in their order
-    in_shm = [shm_params(t.parameters) for t in msg.inputs]
+    in_shm = [shm_params(p) if (p := t.parameters) else None for t in inputs]
     wanted = sum(p is None for p in in_shm)
     if raw and len(raw) != wanted:
         raise RequestError(f"raw_input_contents has {len(raw)} entries for "
@@ -176,12 +180,12 @@ def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec,
     binary: dict[str, np.ndarray] = {}
     values = []
     batch: int | None = None
-    for i, t in enumerate(msg.inputs):
+    for i, t in enumerate(inputs):
         name, dt, shape = codec.check_input(spec, specs, i, t.name, t.datatype, list(t.shape),
                                             names, batch)
         where = f"input {name!r}"
         batch = shape[0]
-        given = [f.name for f, _ in t.contents.ListFields()]
+        given = [f.name for f, _ in t.contents.ListFields()] if t.HasField("contents") else []
         params = in_shm[i]
         if params is not None:
             if given:
@@ -217,9 +221,10 @@ def parse_request(msg: pb.ModelInferRequest, spec: ModelSpec,
     codec.check_complete(spec, names)
     asked = []
     for o in msg.outputs:
+        params = o.parameters
         asked.append({"name": o.name, "parameters": {
-            "classification": "classification" in o.parameters,
-            **(shm_params(o.parameters) or {})}})
+            "classification": "classification" in params,
+            **(shm_params(params) or {})} if params else {"classification": False}})
     outputs = codec.parse_outputs(asked, spec, shm)
     assert batch is not None
     return codec.RequestHead(msg.id or None, outputs, True, batch, b"", tuple(names), binary,
