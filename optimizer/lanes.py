@@ -84,10 +84,6 @@ class LaneModel:
     #: workers of its model (replicas, `dstack.policies.replicas`): alone in a lane, a
     #: request waits for the first of them to be free, about R_l / workers
     workers: int = 1
-    #: the rate's burst shape: multipliers of `rate_rps`, one per scenario, measured in the
-    #: same windows for every model of the instance (so a lane keeps its models' burst
-    #: correlation); G_l is then the mean over the scenarios. () : steady arrivals
-    shape: tuple[float, ...] = ()
 
     @property
     def grown(self) -> float:
@@ -289,48 +285,32 @@ def _shares(ms: Sequence[LaneModel], lat: list[float], bs: list[int],
     return out
 
 
-def _served(ms: Sequence[LaneModel], caps: Sequence[int], width: float, lat: list[float],
-            rates: list[float]) -> tuple[list[float], list[float], list[float]]:
-    """(f_m, throughput, requests served within SLO per second) of each model of a lane at
-    `rates`: the saturated round bound, or where the lane is not saturated and it says
-    more, its load-aware estimate (`_load_aware`)."""
+def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
+               caps: Sequence[int]) -> LaneEval:
+    """G_l and H_l of the lane `members` on `width`% with batch caps `caps`: the
+    saturated round bound, or where the lane is not saturated and it says more, its
+    load-aware estimate (`_load_aware`)."""
+    ms = [inst.models[i] for i in members]
+    lat = [m.latency(b, width) for m, b in zip(ms, caps, strict=True)]
     rnd = sum(lat)
     frac, served, thr = [], [], []
+    value = robust = grown = 0.0
     wait = rnd / ms[0].workers if len(ms) == 1 else rnd
-    for m, b, lm, r in zip(ms, caps, lat, rates, strict=True):
+    for m, b, lm in zip(ms, caps, lat, strict=True):
         f = min(1.0, max(0.0, (m.slo_ms - lm) / wait)) if rnd > 0 else 0.0
         t = 1000.0 * b / rnd if rnd > 0 else 0.0
         frac.append(f)
         thr.append(t)
-        served.append(f * min(r, t))
+        served.append(f * min(m.rate_rps, t))
     if len(ms) > 1 or frac[0] < 1.0:
-        loads = _load_aware(ms, caps, width, rates)
+        loads = _load_aware(ms, caps, width, [m.rate_rps for m in ms])
         if loads:
-            alt = [f * min(r, t) for r, (f, t) in zip(rates, loads, strict=True)]
+            alt = [f * min(m.rate_rps, t) for m, (f, t) in zip(ms, loads, strict=True)]
             if sum(m.weight * x for m, x in zip(ms, alt, strict=True)) > sum(
                     m.weight * x for m, x in zip(ms, served, strict=True)):
-                return [f for f, _ in loads], [t for _, t in loads], alt
-    return frac, thr, served
-
-
-def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
-               caps: Sequence[int], *, shaped: bool = True) -> LaneEval:
-    """G_l and H_l of the lane `members` on `width`% with batch caps `caps`: the
-    saturated round bound, or where the lane is not saturated and it says more, its
-    load-aware estimate (`_load_aware`). With a burst shape (`LaneModel.shape`) and
-    `shaped`, G_l is its mean over the shape's scenarios."""
-    ms = [inst.models[i] for i in members]
-    lat = [m.latency(b, width) for m, b in zip(ms, caps, strict=True)]
-    rnd = sum(lat)
-    value = robust = grown = 0.0
-    frac, thr, served = _served(ms, caps, width, lat, [m.rate_rps for m in ms])
-    scenarios = len(ms[0].shape) if shaped else 0
-    if scenarios:  # bursty: the expected goodput over the measured burst shape
-        total = [0.0] * len(ms)
-        for s in range(scenarios):
-            at = _served(ms, caps, width, lat, [m.rate_rps * m.shape[s] for m in ms])[2]
-            total = [a + x for a, x in zip(total, at, strict=True)]
-        served = [a / scenarios for a in total]
+                served = alt
+                frac = [f for f, _ in loads]
+                thr = [t for _, t in loads]
     for m, f, t, s in zip(ms, frac, thr, served, strict=True):
         value += m.weight * s
         grown += m.weight * f * min(m.grown, t)
@@ -341,9 +321,7 @@ def score_lane(inst: LaneInstance, members: Sequence[int], width: float,
 
 
 def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneEval:
-    """The best caps for one lane by the scan over round targets R* (module docstring), at
-    the planned rates; a burst shape then scores the caps chosen (the scan's scores at the
-    planned rates cost one evaluation each, a shape's eight)."""
+    """The best caps for one lane by the scan over round targets R* (module docstring)."""
     ms = [inst.models[i] for i in members]
     tabs = [[m.latency(b, width) for b in m.batches] for m in ms]
     n = len(ms)
@@ -351,7 +329,7 @@ def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneE
     targets = {lo}
     for m, t in zip(ms, tabs, strict=True):
         targets.update(m.slo_ms - x for x in t if m.slo_ms - x > lo)
-    best = score_lane(inst, members, width, [m.batches[0] for m in ms], shaped=False)
+    best = score_lane(inst, members, width, [m.batches[0] for m in ms])
     seen = {best.caps}  # many targets give the same caps: each is scored once
     for rs in sorted(targets):
         idx = []
@@ -371,10 +349,10 @@ def best_lane(inst: LaneInstance, members: Sequence[int], width: float) -> LaneE
         if caps in seen:
             continue
         seen.add(caps)
-        ev = score_lane(inst, members, width, caps, shaped=False)
+        ev = score_lane(inst, members, width, caps)
         if ev.key > best.key:
             best = ev
-    return score_lane(inst, members, width, best.caps) if ms[0].shape else best
+    return best
 
 
 # --------------------------------------------------------------------------- lane plans
