@@ -1,15 +1,17 @@
 """The `dstack` lane planner: its speed, and its MILP against the greedy merge search
 (a benchmark, not a test).
 
-    .venv/bin/python -m bench.bench_optimizer [--seeds 3] [--sizes 10 50] [--compare 7 20]
+    .venv/bin/python -m bench.bench_optimizer [--seeds 3] [--sizes 10 50] [--repeat 3]
+        [--compare 7 20]
 
 Mixes come from the policy suite's generator (`bench.bench_policies.draw_mix`: models
 drawn from a profile directory with their aliases, SLOs 2-15x the batch-1 latency, a load
 of 0.3-1.5 of the device split among them) with the number of models fixed.
 
 1. Plan time: `plan_lanes` (what `dstack plan`, the server and the simulator run: instance,
-   MILP, the baselines' assignments, the plan) on H100 mixes of each `--sizes`, with how
-   its search ended (optimal, or CBC's gap to its bound).
+   MILP, the baselines' assignments, the plan) on H100 mixes of each `--sizes`, each mix
+   planned `--repeat` times (its median), with how its search ended (optimal, or CBC's
+   gap to its bound).
 2. MILP against greedy: on mixes of 7-20 models (one per device and size), the predicted
    goodput G of the greedy plan (`Lanes.greedy`, the search before the MILP) and of the
    MILP's plan (`lane_milp.search`), both placing every model; which is higher, by how
@@ -45,22 +47,25 @@ def mix_of(n: int, seed: int, device: str | None = None, start: int = 0):
         i += 1
 
 
-def plan_time(sizes: list[int], seeds: int) -> None:
-    print("plan time: plan_lanes on H100 mixes")
+def plan_time(sizes: list[int], seeds: int, repeat: int) -> None:
+    print(f"plan time: plan_lanes on H100 mixes (each mix's median of {repeat} run(s))")
     for n in sizes:
         times = []
         for seed in range(seeds):
             mix = mix_of(n, seed, H100)
             cfg = bench_policies.mix_config(mix)
             profiles = served_profiles(cfg, check_device=False)
-            t0 = time.perf_counter()
-            plan, _, _ = lane_planning.plan_lanes(cfg, profiles, None)
-            dt = time.perf_counter() - t0
+            runs = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                plan, _, _ = lane_planning.plan_lanes(cfg, profiles, None)
+                runs.append(time.perf_counter() - t0)
+            dt = statistics.median(runs)
             times.append(dt)
-            print(f"  {n:3d} models seed {seed}: {dt:6.2f} s  G {plan.objective:9.1f}  "
+            print(f"  {n:3d} models seed {seed}: {dt:7.3f} s  G {plan.objective:9.1f}  "
                   f"{len(plan.lanes):2d} lanes  {plan.status.value:10s} {plan.search}")
-        print(f"  {n:3d} models: median {statistics.median(times):.2f} s, "
-              f"max {max(times):.2f} s")
+        print(f"  {n:3d} models: median {statistics.median(times):.3f} s, "
+              f"max {max(times):.3f} s")
 
 
 def compare(lo: int, hi: int, seed: int) -> None:
@@ -102,12 +107,14 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="H100 mixes per size for plan time")
     ap.add_argument("--sizes", type=int, nargs="*", default=[10, 50])
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="plan each plan-time mix this many times, report the median")
     ap.add_argument("--compare", type=int, nargs=2, default=[7, 20], metavar=("LO", "HI"),
                     help="model counts of the MILP/greedy comparison (0 0: skip it)")
     ap.add_argument("--seed", type=int, default=1, help="the comparison's suite seed")
     args = ap.parse_args()
     if args.sizes:
-        plan_time(args.sizes, args.seeds)
+        plan_time(args.sizes, args.seeds, args.repeat)
     if args.compare[1] > 0:
         compare(args.compare[0], args.compare[1], args.seed)
 

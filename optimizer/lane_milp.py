@@ -7,7 +7,8 @@ Up to `EXACT_MAX` models every subset at every width is a candidate (2^n - 1 sub
 greedy merge search scored (each model alone, each pair, each merge it tried: the greedy
 plan is one of the MILP's solutions and its warm start), then `NEIGHBOUR_ROUNDS` round(s)
 of the lanes of the MILP's plan (of at most `NEIGHBOUR_MAX` models) with one model added
-or taken out, at their width; each round solves again. The MILP is then exact over those
+or taken out, at their width; each round solves again, asking CBC first only for plans
+with a new lane (`milp.maximise`'s `fresh`). The MILP is then exact over those
 candidates, not over every plan: `SearchStatus.complete` says which.
 
 MILP. y_c in {0, 1}:
@@ -60,7 +61,9 @@ def _neighbours(lanes: Lanes, choice: LaneChoice) -> None:
 
 
 def _solve(lanes: Lanes, cols: Sequence[LaneEval], *, drop: bool, warm: Sequence[LaneEval],
-           time_limit_s: float, complete: bool) -> LaneChoice:
+           time_limit_s: float, complete: bool, fresh: int = 0) -> LaneChoice:
+    """The MILP over `cols`; `fresh`: the last `fresh` of them were added since `warm` was
+    this MILP's plan over the others (`milp.maximise`'s `fresh`)."""
     n = len(lanes.inst.models)
     index = {(_mask(e), e.width): j for j, e in enumerate(cols)}
     rows = [milp.Row(tuple((j, 1.0) for j, e in enumerate(cols) if i in e.members), 1.0,
@@ -70,7 +73,8 @@ def _solve(lanes: Lanes, cols: Sequence[LaneEval], *, drop: bool, warm: Sequence
     sol = milp.maximise(len(cols), rows, [[e.value for e in cols], [e.grown for e in cols],
                                           [e.robust for e in cols]],
                         time_limit_s=time_limit_s, name="dstack_lanes",
-                        warm=[index[(_mask(e), e.width)] for e in warm])
+                        warm=[index[(_mask(e), e.width)] for e in warm],
+                        fresh=range(len(cols) - fresh, len(cols)))
     chosen = sorted((cols[j] for j in sol.chosen), key=lambda e: min(e.members))
     status = SearchStatus(sol.proven, complete, sol.gap, len(cols))
     return LaneChoice(tuple(chosen), sum(e.value for e in chosen),
@@ -106,9 +110,10 @@ def search(lanes: Lanes, *, drop: bool, exact_max: int = EXACT_MAX,
         _neighbours(lanes, best)
         if len(lanes.scored()) == before:
             break
-        try:
+        try:  # only a plan with a new lane can change the answer: CBC looks at those
             best = _solve(lanes, list(lanes.scored()), drop=drop, warm=best.lanes,
-                          complete=False, time_limit_s=deadline - time.perf_counter())
+                          complete=False, time_limit_s=deadline - time.perf_counter(),
+                          fresh=len(lanes.scored()) - before)
         except milp.NoSolution:
             break
     if greedy is not None and greedy.key > best.key:  # CBC's tolerances, or its time limit
