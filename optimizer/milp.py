@@ -34,8 +34,10 @@ TOL = 1e-7
 #: A point must miss an objective's `TOL` band by this share as well before it is ruled
 #: out without a run of its own (CBC's feasibility tolerances are far below it).
 MARGIN = 1e-6
-#: These programs are solved at CBC's root node; its preprocessing, cut generators and
-#: primal heuristics took twice as long as the solve (docs/optimizer.md, "Speed").
+#: These programs are solved at CBC's root node, where its primal heuristics and cut
+#: generators (`cuts=False` below) took about half of each run (docs/optimizer.md,
+#: "Speed"). Preprocessing stays on: CBC 2.10 crashed without it on a program that
+#: bound tightening proved infeasible, as the later objectives' runs often are.
 CBC_OPTIONS = ("heuristicsOnOff off",)
 
 
