@@ -77,6 +77,9 @@ class LinearLatency:
     p_kk: cython.double = -1.0
     p_kt: cython.double = 0.0
     p_tt: cython.double = 0.0
+    # The size of recent batches, weighted as the fit weighs them (0: none yet): where the
+    # line is measured, and so where it is compared with a profile (`typical_n`).
+    n_seen: cython.double = 0.0
 
     @property
     def trusted(self) -> bool:
@@ -89,6 +92,12 @@ class LinearLatency:
         t = max(0.0, (s2 - s1) / (b2 - b1))
         k = max(1e-6, s1 - t * b1)
         return cls(k, t)
+
+    def typical_n(self) -> int:
+        """The batch size recent batches had (1 before any): the line is measured there,
+        and only extrapolated far from it (a batch of one under load, when every batch is
+        full, can read several times what one takes)."""
+        return max(1, int(self.n_seen + 0.5))
 
     @cython.ccall
     def estimate_s(self, n: cython.long) -> cython.double:
@@ -173,6 +182,7 @@ class LinearLatency:
         if self.lo_s < 0:  # the fast end starts at the seed (a profile, a warm-up)
             self.lo_s = self.estimate_s(1)
         self.observations += 1
+        self.n_seen = n if self.n_seen <= 0 else self.n_seen + self.alpha * (n - self.n_seen)
         if pred <= 0:
             return
         if self.observations > TRUST_AFTER:  # the seed's own error is not spread

@@ -246,17 +246,19 @@ def setup_policy(cfg: DeployConfig, backend: SliceBackend, *, origin: float,
     return PolicySetup(policy, plan, schedule, profiles, estimates, run_cfg, counts, guest_map)
 
 
-def latency_ratios(setup: PolicySetup, warm_s: Mapping[str, float]
-                  ) -> dict[str, tuple[float, float]]:
-    """Per served model with a profile: what its workers' batches of one item took
-    (`warm_s`, seconds, by worker: at warm-up, or by their live estimates; the median over
-    its workers) and what the profile says at their slices (the estimates it seeded)."""
-    got: dict[str, list[tuple[float, float]]] = {}
-    for worker, seconds in warm_s.items():
+def latency_ratios(setup: PolicySetup, measured: Mapping[str, tuple[int, float]]
+                  ) -> dict[str, tuple[float, float, int]]:
+    """Per served model with a profile: what its workers' batches took (`measured`, by
+    worker: (items, seconds), at warm-up a batch of one, live the size their recent batches
+    had), what the profile says for batches of those sizes at their slices (the estimates
+    it seeded), and that size (the median over its workers of each)."""
+    got: dict[str, list[tuple[float, float, int]]] = {}
+    for worker, (n, seconds) in measured.items():
         est = setup.estimates.get(worker)
         if est is not None and seconds > 0:
-            got.setdefault(public_name(worker), []).append((seconds, est.estimate_s(1)))
-    return {m: (statistics.median(s for s, _ in v), statistics.median(p for _, p in v))
+            got.setdefault(public_name(worker), []).append((seconds, est.estimate_s(n), n))
+    return {m: (statistics.median(s for s, _, _ in v), statistics.median(p for _, p, _ in v),
+                int(statistics.median(n for _, _, n in v)))
             for m, v in got.items()}
 
 
@@ -267,7 +269,7 @@ def served_of(setup: PolicySetup) -> dict[str, Profile]:
 
 
 def corrected_profiles(cfg: DeployConfig, profiles: Mapping[str, Profile],
-                       ratios: Mapping[str, tuple[float, float]]
+                       ratios: Mapping[str, tuple[float, float, int]]
                        ) -> tuple[dict[str, Profile], dict[str, float]]:
     """`profiles` (by served model) with the latencies of each model whose warm-up
     disagrees with its profile by more than `cfg.profile_margin` scaled by measured /
@@ -275,7 +277,7 @@ def corrected_profiles(cfg: DeployConfig, profiles: Mapping[str, Profile],
     if cfg.profile_margin is None:
         return dict(profiles), {}
     hi = 1 + cfg.profile_margin
-    factors = {m: measured / profiled for m, (measured, profiled) in ratios.items()
+    factors = {m: measured / profiled for m, (measured, profiled, _) in ratios.items()
                if m in profiles and not 1 / hi <= measured / profiled <= hi}
     return ({m: scaled(p, factors[m]) if m in factors else p
              for m, p in profiles.items()}, factors)

@@ -130,7 +130,7 @@ class Replanner:
                  apply: Callable[[PolicySetup, dict[str, float]], Awaitable[None]],
                  clock: Callable[[], float], setup: PolicySetup,
                  solver: SolverProcess | None = None,
-                 live_s: Callable[[], dict[str, float]] | None = None,
+                 live_s: Callable[[], dict[str, tuple[int, float]]] | None = None,
                  start_s: Callable[[], dict[str, float]] | None = None) -> None:
         self.cfg = cfg
         self.solver = solver
@@ -220,7 +220,7 @@ class Replanner:
         return profiles, (
             f"profiles: the batches served disagree with the plan's profiles by more than "
             f"profile_margin {self.cfg.profile_margin:g}: " + "; ".join(
-                f"{m} {1000 * ratios[m][0]:.1f} ms a batch of one, planned "
+                f"{m} {1000 * ratios[m][0]:.1f} ms a batch of {ratios[m][2]}, planned "
                 f"{1000 * ratios[m][1]:.1f} ms (x{f:.2f})" for m, f in factors.items()))
 
     async def replan(self, rates: dict[str, float],

@@ -311,7 +311,8 @@ class Runtime(EarlyAdmission):
         if (self.cfg.policy not in (PolicyName.DSTACK, PolicyName.SPATIAL)
                 or self.cfg.profile_margin is None or not setup.profiles):
             return
-        ratios = latency_ratios(setup, {w: r.warm_ms_batch1 / 1000 for w, r in ready.items()})
+        ratios = latency_ratios(setup, {w: (1, r.warm_ms_batch1 / 1000)
+                                        for w, r in ready.items()})
         served = served_of(setup)
         profiles, factors = corrected_profiles(self.cfg, served, ratios)
         if not factors:
@@ -327,13 +328,15 @@ class Runtime(EarlyAdmission):
             replicas=setup.replicas, guests=setup.guests)
         await self._hand_over(corrected, {})
 
-    def _live_batch_s(self) -> dict[str, float]:
-        """What a batch of one item takes by each worker's live estimate, where real
-        batches have confirmed it (the re-planner compares it with the plan's profiles)."""
+    def _live_batch_s(self) -> dict[str, tuple[int, float]]:
+        """(n, seconds): what a batch of the size its recent batches had takes by each
+        worker's live estimate, where real batches have confirmed it (the re-planner
+        compares it with the plan's profiles at that size)."""
         core = self.core
         if core is None:
             return {}
-        return {w: est.estimate_s(1) for w, est in core.trusted_estimates().items()}
+        return {w: (est.typical_n(), est.estimate_s(est.typical_n()))
+                for w, est in core.trusted_estimates().items()}
 
     async def stop(self) -> None:
         self._closing = True
