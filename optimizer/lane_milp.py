@@ -17,6 +17,7 @@ MILP. y_c in {0, 1}:
     sum_c u(p_c) y_c <= U          widths in units of the widths' common step (CPU: cores,
                                    so the lanes take disjoint cores)
     max sum_c G_c y_c, then sum_c Ĝ_c y_c, then sum_c H_c y_c   (lexicographic)
+        then, where models may be left out, min sum_c |M_c| y_c
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def _solve(lanes: Lanes, cols: Sequence[LaneEval], *, drop: bool, warm: Sequence
                      equal=not drop) for i in range(n)]
     rows.append(milp.Row(tuple((j, float(lanes.units[e.width])) for j, e in enumerate(cols)),
                          float(lanes.cap_units)))
-    sol = milp.maximise(len(cols), rows, [[e.value for e in cols], [e.grown for e in cols],
-                                          [e.robust for e in cols]],
+    objectives = [[e.value for e in cols], [e.grown for e in cols], [e.robust for e in cols]]
+    if drop:  # a model a plan would serve nothing is better left out than placed
+        objectives.append([-float(len(e.members)) for e in cols])
+    sol = milp.maximise(len(cols), rows, objectives,
                         time_limit_s=time_limit_s, name="dstack_lanes",
                         warm=[index[(_mask(e), e.width)] for e in warm],
                         fresh=range(len(cols) - fresh, len(cols)))
