@@ -145,9 +145,10 @@ class Replanner:
         self._start_s = start_s  # how long each worker took to start, by worker
         self.replans = 0
         self.busy = False
-        # What a batch of one item of each worker takes by its live estimate (trusted ones
-        # only): a plan whose profiles it leaves by more than `profile_margin` for
-        # `trigger.confirm` samples running is made again with the profiles scaled to it.
+        # (n, seconds): what a batch of the size each worker's recent batches had takes by
+        # its live estimate (trusted ones only): a plan whose profiles it leaves by more
+        # than `profile_margin` for `trigger.confirm` samples running is made again with
+        # the profiles scaled to it.
         self._live_s = live_s
         self._slow_streak = 0
         self._fast_since: dict[str, float] = {}  # model -> since when its batches run faster
