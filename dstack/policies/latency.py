@@ -174,6 +174,28 @@ class LinearLatency:
             self.p_kt -= cut * v_k * v_t
             self.p_tt -= cut * v_t * v_t
 
+    @cython.cfunc
+    def _nudge(self, n: cython.long, step: cython.double) -> cython.void:
+        """Move the line by `step` seconds at n along the fit's gain (P x), the
+        covariance untouched: the line moves where the batches it has seen leave it
+        free, but never more than `step` at n, even at a size recent batches do not
+        measure (a fit step there would move it most of the way to the outlier).
+        Scaling the whole line instead ran away: on a line with a negative fixed cost
+        each outlier at batch 1 scaled both costs up and the fit then took the rise back
+        through the fixed cost alone, so 5,000 batches of 1 left a batch of 8 read at
+        112 s against 0.5 ms for 1 (docs/decisions.md)."""
+        z: cython.double = max(n, 1) / N_SCALE
+        px_k: cython.double = 1.0  # not started (only probes so far): P is the identity
+        px_t: cython.double = z
+        if self.p_kk >= 0:
+            px_k = self.p_kk + self.p_kt * z
+            px_t = self.p_kt + self.p_tt * z
+        xpx: cython.double = px_k + px_t * z
+        if xpx <= 0:
+            return
+        self.t_s = max(0.0, self.t_s + px_t * step / xpx / N_SCALE)
+        self.k_s = max(1e-6 - self.t_s, self.k_s + px_k * step / xpx)
+
     @cython.ccall
     def observe(self, n: cython.long, seconds: cython.double) -> cython.void:
         """Move the line toward an observed (n, seconds) point (`_fit`)."""
@@ -220,12 +242,9 @@ class LinearLatency:
             self.far_n, self.far_dir, self.far_at = n, far, self.observations
         restart: cython.bint = far != 0 and (abs(self.far_streak) >= 2 or again)
         if far != 0 and not restart and self.observations > TRUST_AFTER:
-            # A lone outlier scales the whole line by `alpha` of a 2x (or 0.5x) batch and
-            # leaves the fit alone: at a batch size recent batches do not measure, a fit
-            # step would move the line most of the way to it.
-            scale: cython.double = 1.0 + self.alpha * (1.0 if far > 0 else -0.5)
-            self.k_s *= scale
-            self.t_s *= scale
+            # A lone outlier moves the line at n by `alpha` of the way to a 2x (or 0.5x)
+            # batch, in the direction a fit step would (`_nudge`).
+            self._nudge(n, self.alpha * (1.0 if far > 0 else -0.5) * pred)
         else:
             self._fit(n, err, restart)
         self._observe_low(n, seconds)

@@ -200,6 +200,24 @@ def test_a_line_wrong_at_one_size_comes_back_instead_of_running_away() -> None:
     assert est.t_s < 0.010  # flatter than it started, as the batches are
 
 
+def test_lone_stalls_at_one_size_do_not_run_a_sloped_line_away() -> None:
+    """Seen on a server under 8 closed-loop gRPC clients: a line with a negative fixed cost
+    (0.3 ms for 1, 4.5 ms for 8), then thousands of batches of 1 of about 0.5 ms, every
+    seventh a lone 3x stall. Each stall scaled both costs up and the fit took the rise
+    back through the fixed cost alone, so the line grew steeper without end: a batch of 8
+    read 112 s and the server refused every request that would wait behind another (and
+    the compiled code then divided by zero). The line must stay where the batches put it."""
+    import random
+
+    rng = random.Random(5)
+    est = LinearLatency(-0.0003, 0.0006, observations=10, p_kk=1.0, p_kt=0.0, p_tt=1.0)
+    start8 = est.estimate_s(8)
+    for i in range(3000):
+        est.observe(1, 0.0005 * rng.uniform(0.8, 1.2) * (3 if i % 7 == 3 else 1))
+    assert 0.0004 < est.estimate_s(1) < 0.0008
+    assert est.estimate_s(8) < 1.5 * start8
+
+
 def test_a_stall_at_one_size_between_others_is_still_a_lone_outlier() -> None:
     """Two stalls at a batch of 8, five batches of other sizes apart: neither is believed
     (only far-off batches at most FAR_WITHIN apart are)."""
