@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment probe, knee sweep (MPS, CUDA-graph timing), kernel traces,
-# GPU tests, shadow-gap bench; on request: graphs
-# (bench/bench_gpu_graphs.py: CUDA graphs against eager, side by side), frontend (the
-# server's CPU per answered and per refused request on this host's CPU) and overload (the chaos
+# GPU tests; on request: frontend (the server's CPU per answered and per refused request on this host's CPU) and overload (the chaos
 # benchmark's overload scenario on the GPU mix: dstack and spatial side by side, the load
 # generator on the upper half of the cores; extra flags in OVERLOAD_ARGS, e.g.
 # OVERLOAD_ARGS="--capacity-scale 8"; PROFILE=dstack+4fe: a py-spy profile of that server).
@@ -15,7 +13,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" out/chaos
-STEPS=${1:-"probe sweep trace tests shadow"}
+STEPS=${1:-"probe sweep trace tests"}
 case " $STEPS " in *" setup "*)
   if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -63,21 +61,10 @@ if step tests; then
     tests/integration/test_knee_profile_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/logs/tests.txt" 2>&1
   echo "tests rc=$?: $(tail -1 "$OUT/logs/tests.txt")" >> "$OUT/summary.txt"; pack
 fi
-if step shadow; then
-  timeout 60 python3 bench/bench_gpu_shadow.py --repeat 1 > "$OUT/logs/shadow.txt" 2>&1
-  echo "shadow rc=$?" >> "$OUT/summary.txt"; grep '^{' "$OUT/logs/shadow.txt" >> "$OUT/summary.txt"; pack
-fi
 # One MPS daemon per GPU: the servers of a step attach to it (CUDA_MPS_PIPE_DIRECTORY).
 mps_start() { MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)"
   env $MPS_ENV nvidia-cuda-mps-control -d; }
 mps_stop() { echo quit | env $MPS_ENV nvidia-cuda-mps-control; }
-if step graphs; then
-  mps_start
-  env $MPS_ENV timeout "${GRAPHS_S:-150}" python3 -m bench.bench_gpu_graphs ${GRAPHS_ARGS:-} \
-    > "$OUT/logs/graphs.txt" 2>&1
-  echo "graphs rc=$?" >> "$OUT/summary.txt"; grep '^x' "$OUT/logs/graphs.txt" >> "$OUT/summary.txt"
-  mps_stop; pack
-fi
 if step frontend; then
   { timeout 90 python3 -m bench.bench_chaos --only accept-cost | grep -i 'accept cost'
     timeout 90 python3 -m bench.bench_chaos --only refusal-cost | grep -i 'refusal cost'; } \
@@ -115,7 +102,9 @@ if step overload; then
   done
   grep -A40 '^scenario' "$OUT/logs/overload.txt" >> "$OUT/summary.txt"
   if [ -s "$OUT/logs/profile.raw" ]; then  # where the profiled process's time went
-    python3 -m bench.profile_summary "$OUT/logs/profile.raw" --top 15 >> "$OUT/summary.txt"
+    awk '{n=$NF; $NF=""; k=split($0,f,";"); s[f[k]]+=n; t+=n} END {for (x in s)
+      printf "%5.1f%% self %s\n", 100*s[x]/t, x}' "$OUT/logs/profile.raw" | sort -rn | head -15 \
+      >> "$OUT/summary.txt"
   fi
   [ -s "$OUT/logs/profile.speedscope" ] && gzip -f "$OUT/logs/profile.speedscope"
   pack
