@@ -12,10 +12,10 @@ final RSS), then each scenario's notes; every number in out/chaos/chaos.json. Sc
   of accepted requests answered within SLO (>= 99%), the p99 time to a refusal (< 5 ms);
   each round ends with a control window per policy (CONTROL);
 - kill -9 of the resnet18 worker under 0.7x load;
-- storms of concurrent ~20 MB JSON bodies from a child process: other traffic's p99 per
-  model during them against unloaded, the server's RSS after against before;
-- over the limit: 32 MiB bodies to a 1 MiB limit on kept-alive connections: every one
-  reads its 413, the server's open sockets come back;
+- 5 storms of 20 concurrent ~20 MB JSON bodies from a child process: other traffic's p99
+  per model during them against unloaded, the server's RSS after against before;
+- over the limit: 64 bodies of 32 MiB to a 1 MiB limit on kept-alive connections: every
+  one reads its 413, the server's open sockets come back;
 - slowloris: 1,000 half-sent headers kept open, normal traffic on new connections meanwhile;
 - stalled uploads: 50 bodies cut half-way (body timeout 5 s here);
 - SIGTERM under load: exit code; every request answered, refused or turned away at
@@ -24,9 +24,8 @@ final RSS), then each scenario's notes; every number in out/chaos/chaos.json. Sc
 - refusal cost / accept cost: the server's CPU per request refused from its header, and
   per request answered by a model of next to no compute (600 KB bodies each).
 
-The load generator shares the machine: client-side figures include its own scheduling
-delays, and what it costs is taken from the workers. It sends with a lean client
-(bench/lean_http.py) as nice as the server (`--load-nice`).
+The load generator (`bench.chaos_load.LeanClient`) shares the machine: client-side figures
+include its own scheduling delays, and what it costs is taken from the workers.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -52,7 +50,6 @@ from typing import Any
 import yaml
 
 from bench import chaos_load as cl
-from bench.lean_http import LeanClient
 from bench.loads import one_item_body
 from bench.servers import (
     ROOT,
@@ -60,32 +57,28 @@ from bench.servers import (
     cpu_s,
     cpu_user_sys_s,
     front_ends,
-    frontend_refusals,
-    frontends_loop_late,
     get_json,
-    loop_late,
     model_ready,
     open_sockets,
     rates_slos,
-    refusal_summary,
-    refusal_times,
-    refusals_since,
     rss_mb,
     serving,
     write_config,
 )
 from dstack.common.config import DeployConfig
-from dstack.common.pauses import Lateness, freeze_startup_objects
+from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
 
 #: The two-model mixes, per `--mix`: `cpu` (this machine's cores as slices) and `h100`
 #: (MPS slices of an NVIDIA H100, the overload scenario only).
 MIXES = {"cpu": "configs/bench-mix-{}.yaml", "h100": "configs/bench-mix-h100-{}.yaml"}
 MIX = {p: ROOT / MIXES["cpu"].format(p) for p in ("dstack", "spatial")}
-#: Processes the overload scenario's load is sent from (`--load-procs`).
-LOAD_PROCS = 1
+LOAD_PROCS = 1  # processes the overload scenario's load is sent from (`--load-procs`)
 TINY = ROOT / "configs/bench-single-tiny_cnn-shared.yaml"  # the fuzzer's target: cheap
 OUT = ROOT / "out/chaos"
+#: The hostile big-body sender runs as nice as the workers: load the server must survive,
+#: not a client it serves.
+HOSTILE_NICE: int = DeployConfig.model_fields["worker_nice"].default
 Row = dict[str, Any]
 
 
@@ -126,45 +119,26 @@ def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-#: How much nicer than this process the measured load runs (`run`: the open-loop clients
-#: and the health probe; `--load-nice`). 0: as a client on cores of its own, which never
-#: waits behind the workers (at the workers' niceness it queued behind them for a share of
-#: a core at each wake-up: docs/decisions.md).
-LOAD_NICE = 0
-
-#: How much nicer the hostile big-body sender runs: as nice as the workers. It is load the
-#: server must survive, not a client it serves.
-HOSTILE_NICE: int = DeployConfig.model_fields["worker_nice"].default
-
-
 def run(coro: Any) -> Any:
-    """`asyncio.run(coro)` in a thread LOAD_NICE nicer (Linux keeps a niceness per thread;
-    the servers, started from this thread, keep this process's), after freezing this
-    process's objects (a full collection among earlier windows' results took 45 ms in the
-    middle of a window, and each answer in flight was timed that much late)."""
+    """`asyncio.run(coro)` in a thread of its own, after freezing this process's objects (a
+    full collection among earlier windows' results took 45 ms in the middle of a window,
+    and each answer in flight was timed that much late)."""
     freeze_startup_objects()
-
-    def go() -> Any:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                       os.getpriority(os.PRIO_PROCESS, 0) + LOAD_NICE)
-        return asyncio.run(coro)
-
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(go).result()
+        return pool.submit(asyncio.run, coro).result()
 
 
-# ------------------------------------------------------------------ scenarios
+# ------------------------------------------------------------------ overload
 
 
-def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float],
-              scales: list[float], seconds: float) -> float:
+def calibrate(srv: Server, base: dict[str, float], slos: dict[str, float]) -> float:
     """The knee: the multiple of `base` that gets the most requests answered within SLO
-    per second in a short ramp."""
-    best, best_good = scales[0], -1.0
-    for s in scales:
-        res, _, _ = run(cl.open_loop_sharded(srv.host, {m: r * s for m, r in base.items()},
-                                          slos, seconds, seed=int(s * 10), procs=LOAD_PROCS))
-        good = sum(t.ok for t in res.values()) / seconds
+    per second in a short ramp (5 s at each of 4x, 8x, ... 28x)."""
+    best, best_good = 4.0, -1.0
+    for s in (4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0):
+        res, _ = run(cl.open_loop_sharded(srv.host, {m: r * s for m, r in base.items()},
+                                          slos, 5.0, seed=int(s * 10), procs=LOAD_PROCS))
+        good = sum(t.ok for t in res.values()) / 5.0
         att = min(t.ok / t.sent if t.sent else 0.0 for t in res.values())
         print(f"  calibration x{s:g}: goodput {good:.1f}/s, attainment {100 * att:.1f}% "
               f"(worst model)", flush=True)
@@ -204,14 +178,6 @@ class _Levels:
     cpu: dict[int | str, dict[str, float]] = _each(dict)
     load_cores: dict[int | str, list[float]] = _each(list)  # the load generator's
     burnt: list[float] = field(default_factory=list)  # the burner's cores, by round
-    # what admission counted besides compute (/metrics) three quarters into each window
-    terms: dict[int | str, list[dict[str, dict[str, float]]]] = _each(list)
-    # how late the server's, the load generator's and the front ends' loop timers fired
-    server_late: dict[int | str, Lateness] = _each(Lateness)
-    client_late: dict[int | str, Lateness] = _each(Lateness)
-    frontends_late: dict[int | str, Lateness] = _each(Lateness)
-    # the server's refusals by where they were decided, timed from the first byte
-    refusals: dict[int | str, dict[str, Lateness]] = _each(dict)
 
 
 def overload(args: argparse.Namespace) -> list[Row]:
@@ -220,7 +186,6 @@ def overload(args: argparse.Namespace) -> list[Row]:
     every other round), so that the machine's noise falls on the policies and the levels
     alike. Ratios are medians over the rounds. A server waits idle (its CPU reported as
     "idle servers") while another is measured."""
-    front = {"cores": args.frontend_cores} if args.frontend_cores else None
     host = available_cores()
     load = tuple(args.load_cores or ())
     with ExitStack() as stack:
@@ -233,18 +198,16 @@ def overload(args: argparse.Namespace) -> list[Row]:
             # make of this host), adapt.solve_in: solve (None: its default)
             label = ((policy if n == 1 else f"{policy}+{n}fe")
                      + (f"+solve-{solve}" if solve is not None else ""))
-            top = {**args.top, **({"adapt": {"solve_in": solve}} if solve is not None else {})}
+            top = {"adapt": {"solve_in": solve}} if solve is not None else {}
             if load:  # the server and its workers start on the cores the load leaves
                 pin_threads(tuple(c for c in host if c not in load))
-            server = {**(front or {}), "frontends": n}
-            srv = stack.enter_context(serving(config(policy, f"overload-{label}", server,
-                                                     top=top),
-                                              OUT / f"overload-{label}.log"))
+            srv = stack.enter_context(serving(
+                config(policy, f"overload-{label}", {"frontends": n}, top=top),
+                OUT / f"overload-{label}.log"))
             if load:
                 pin_threads(load)
             run(cl.open_loop(srv.host, {m: min(r, 5.0) for m, r in base.items()}, slos, 2.0))
-            cap = args.capacity_scale or calibrate(srv, base, slos, args.calibrate_scales,
-                                                   args.calibrate_seconds)
+            cap = args.capacity_scale or calibrate(srv, base, slos)
             args.capacity[label] = cap
             print(f"  {label}: capacity = {cap:g}x the mix ("
                   + ", ".join(f"{m} {r * cap:g} rps" for m, r in base.items()) + ")",
@@ -254,8 +217,6 @@ def overload(args: argparse.Namespace) -> list[Row]:
                                    **{f"front end {k}": pid
                                       for k, pid in enumerate(front_ends(srv.pid))}})
         every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
-        if front:  # the load generator (and the control's burner) join the front end
-            pin_threads(tuple(args.frontend_cores))
         for rep in range(args.reps):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
             for x in LEVELS:  # the policies' windows of one level one after the other
@@ -263,8 +224,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
                     _window(runs[policy], policy, x, rep, every, args)
             for policy in order if args.control else ():
                 lv = runs[policy]
-                with cl.Burner(max(0.0, lv.load_cores[4][-1] - lv.load_cores[1][-1]),
-                               LOAD_NICE) as burner:
+                with cl.Burner(max(0.0, lv.load_cores[4][-1] - lv.load_cores[1][-1])) as burner:
                     _window(lv, policy, CONTROL, rep, every, args, burner)
         rows = []
         secs = args.reps * args.overload_seconds
@@ -280,15 +240,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "accepted_in_slo": t.ok / t.accepted if t.accepted else float("nan"),
                          "health_p50_p99_ms": (round(cl.pct(lv.floors[x], 50), 1),
                                                round(cl.pct(lv.floors[x], 99), 1)),
-                         "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()},
-                         "admission_ms": _median_terms(lv.terms[x]),
-                         "server_loop": lv.server_late[x].summary(),
-                         "load_generator_loop": lv.client_late[x].summary(),
-                         **({"front_ends_loops": lv.frontends_late[x].summary()}
-                            if lv.frontends_late[x].count else {}),
-                         "server_refusals": refusal_summary(lv.refusals[x]),
-                         "late_in_server": t.late_in_server,
-                         "outside_server_p50_p99_ms": outside_server(t)}
+                         "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()}}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
                     one = lv.per_model[1].get(m, 0)
@@ -309,26 +261,6 @@ def overload(args: argparse.Namespace) -> list[Row]:
         return rows
 
 
-def outside_server(t: cl.Tally) -> dict[str, tuple[float, float]]:
-    """The p50 and p99 of the time (ms) the load generator waited beyond the server's own
-    time (Server-Timing) for answers and for refusals: before the server read the first
-    byte, on the way back, and in the client; and of the refusals', the client's own: from
-    the last byte parsed to the request's await done."""
-    return {k: (round(cl.pct(v, 50), 1), round(cl.pct(v, 99), 1))
-            for k, v in (("answers", t.outside_ms), ("refusals", t.refusal_outside_ms),
-                         ("refusals in the client", t.refusal_own_ms)) if v}
-
-
-def _median_terms(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Each model's admission terms, the median over the rounds that read them."""
-    out: dict[str, dict[str, float]] = {}
-    for m in {m for r in rounds for m in r}:
-        for k in {k for r in rounds for k in r.get(m, {})}:
-            vals = [r[m][k] for r in rounds if k in r.get(m, {})]
-            out.setdefault(m, {})[k] = round(statistics.median(vals), 3)
-    return out
-
-
 def _times(x: int | str) -> int:
     return 1 if x == CONTROL else int(x)
 
@@ -346,24 +278,11 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     before = {k: cpu_s(p) for k, p in every.items()}
     load0 = sum(os.times()[:2])
     burnt0 = cpu_s(burner.pid) if burner is not None else 0.0
-    late0, refused0 = loop_late(lv.srv.host), refusal_times(lv.srv.host)
-    fe_late0, fe_refused0 = frontends_loop_late(lv.srv.host), frontend_refusals(lv.srv.host)
     t0, began = time.monotonic(), time.strftime("%H:%M:%S", time.gmtime())
     load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
                                 seed=100 * rep + _times(x), procs=LOAD_PROCS)
-    ((res, shards_cpu, client_late), terms), floor = run(_with_floor(
-        lv.srv.host, cl.with_admission_terms(lv.srv.host, load, 0.75 * args.overload_seconds)))
-    lv.terms[x].append(terms)
+    (res, shards_cpu), floor = run(_with_floor(lv.srv.host, load))
     wall = time.monotonic() - t0
-    server_late = loop_late(lv.srv.host).since(late0)
-    lv.server_late[x].merge(server_late)
-    lv.client_late[x].merge(client_late)
-    fe_late = frontends_loop_late(lv.srv.host).since(fe_late0)
-    lv.frontends_late[x].merge(fe_late)
-    refused = refusals_since(refusal_times(lv.srv.host), refused0)
-    fe_refused = {k: v - fe_refused0[k] for k, v in frontend_refusals(lv.srv.host).items()}
-    for stage, times in refused.items():
-        lv.refusals[x].setdefault(stage, Lateness()).merge(times)
     used = {k: (cpu_s(p) - before[k]) / wall for k, p in every.items()}
     cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
     cores["load generator"] = (sum(os.times()[:2]) - load0 + shards_cpu) / wall
@@ -382,18 +301,8 @@ def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, i
     for m, tm in res.items():
         lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
     print(f"    round {rep + 1} {policy} {_label(x)} (from {began} UTC): goodput "
-          f"{lv.good[x][-1]:.1f}/s, "
-          f"sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, load average "
-          f"{os.getloadavg()[0]:.2f}; admission besides compute (ms): "
-          f"{cl.format_terms(terms)}; server's loop {server_late.summary()}; load "
-          f"generator's {client_late.summary()}; "
-          + (f"front ends' {fe_late.summary()}; " if fe_late.count else "")
-          + "server's refusals "
-          f"{refusal_summary(refused)}"
-          + (f" ({fe_refused['standing']} of them standing at a front end)"
-             if fe_late.count else "")
-          + f"; answered late: {cl.format_late(res, lv.slos)}; "
-          f"time outside the server's p50 / p99 (ms): {outside_server(t)}", flush=True)
+          f"{lv.good[x][-1]:.1f}/s, sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
 
 async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
@@ -421,6 +330,9 @@ async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
         await task
 
 
+# ------------------------------------------------------------------ faults, hostile clients
+
+
 def _capacity(args: argparse.Namespace) -> float:
     """The dstack mix's capacity (a multiple of rate_rps): given, calibrated by the overload
     scenario, else 2 (what calibration found on this 2-core machine)."""
@@ -429,12 +341,12 @@ def _capacity(args: argparse.Namespace) -> float:
 
 def worker_kill(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
-    with serving(config("dstack", "kill", top=args.top), OUT / "kill.log") as srv:
+    with serving(config("dstack", "kill"), OUT / "kill.log") as srv:
         pid = srv.worker_pid("resnet18")
         rates = {m: r * 0.7 * _capacity(args) for m, r in base.items()}
 
         async def go() -> tuple[dict[str, cl.Tally], float]:
-            load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, args.fault_seconds))
+            load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, 12.0))
             await asyncio.sleep(3)
             os.kill(pid, signal.SIGKILL)
             t_kill = time.monotonic()
@@ -447,48 +359,45 @@ def worker_kill(args: argparse.Namespace) -> Row:
             return await load, back
 
         res, back = run(go())
+        mnv3 = res["mobilenet_v3_small"]
         return row("worker kill -9 (resnet18) at 0.7x", cl.total(res), srv.pid,
-                   resnet18_ready_again_s=back, mobilenet_5xx=res["mobilenet_v3_small"].err_5xx,
-                   mobilenet_in_slo=res["mobilenet_v3_small"].ok,
-                   mobilenet_sent=res["mobilenet_v3_small"].sent)
+                   resnet18_ready_again_s=back, mobilenet_5xx=mnv3.err_5xx,
+                   mobilenet_in_slo=mnv3.ok, mobilenet_sent=mnv3.sent)
 
 
 def big_bodies(args: argparse.Namespace) -> Row:
-    """`--storms` storms of `--big-bodies` concurrent JSON bodies of `--big-body-mb` each
-    (sent by a child: cl.BigBodySender), beside `--side-load` times the mix's rate. The
-    other traffic's p99 per model counts the requests under way during a storm, against
-    the same load without bodies just before (a server that ends a storm sooner is not
-    credited with the quiet time after it)."""
+    """5 storms of 20 concurrent JSON bodies of 20 MB each (sent by a child:
+    cl.BigBodySender), beside 4x the mix's rate. The other traffic's p99 per model counts
+    the requests under way during a storm, against the same load without bodies just
+    before (a server that ends a storm sooner is not credited with the quiet time after)."""
     base, slos = mix("dstack")
-    rates = {m: r * args.side_load for m, r in base.items()}
-    with serving(config("dstack", "bodies", top=args.top), OUT / "bodies.log") as srv, \
-            cl.BigBodySender(f"{srv.host}/v2/models/mobilenet_v3_small/infer",
-                             args.big_bodies, args.big_body_mb, nice=HOSTILE_NICE) as sender:
+    rates = {m: r * 4.0 for m, r in base.items()}
+    with serving(config("dstack", "bodies"), OUT / "bodies.log") as srv, \
+            cl.BigBodySender(f"{srv.host}/v2/models/mobilenet_v3_small/infer", 20, 20.0,
+                             nice=HOSTILE_NICE) as sender:
         run(cl.open_loop(srv.host, rates, slos, 2.0))
         quiet, quiet_health = run(_with_floor(
-            srv.host, cl.open_loop(srv.host, rates, slos, args.fault_seconds, seed=4)))
-        before = rss_mb(srv.pid)
-        cpu0 = cpu_s(srv.pid)
+            srv.host, cl.open_loop(srv.host, rates, slos, 12.0, seed=4)))
+        before, cpu0 = rss_mb(srv.pid), cpu_s(srv.pid)
         spans: list[tuple[float, float]] = []
         bigs: list[cl.BigBodiesResult] = []
 
-        async def storms() -> tuple[dict[str, cl.Tally], None]:
+        async def storms() -> dict[str, cl.Tally]:
             stop = asyncio.Event()
             load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, 3600, seed=5,
                                                     stop=stop))
-            for _ in range(args.storms):
+            for _ in range(5):
                 await asyncio.sleep(0.5)
                 t0 = time.perf_counter()
                 bigs.append(await sender.send())
                 spans.append((t0, time.perf_counter()))
             await asyncio.sleep(0.5)
             stop.set()
-            return await load, None
+            return await load
 
-        (res, _), health = run(_with_floor(srv.host, storms()))
+        res, health = run(_with_floor(srv.host, storms()))
         cpu = cpu_s(srv.pid) - cpu0
         time.sleep(2)
-        t = cl.total(res)
         after = rss_mb(srv.pid)
         during = {m: res[m].latencies_within(spans) for m in res}
         p99 = {m: (round(cl.pct(quiet[m].latencies_ms, 99), 1), round(cl.pct(during[m], 99), 1))
@@ -498,8 +407,8 @@ def big_bodies(args: argparse.Namespace) -> Row:
             statuses.update(b.statuses)
         slowest = {k: round(max(b.seconds_by_status[k][1] for b in bigs
                                 if k in b.seconds_by_status), 2) for k in statuses}
-        return row(f"{args.storms} x {args.big_bodies} x {sender.body_bytes / 1e6:.0f} MB "
-                   "JSON bodies", t, srv.pid, big_body_statuses=dict(sorted(statuses.items())),
+        return row(f"5 x 20 x {sender.body_bytes / 1e6:.0f} MB JSON bodies", cl.total(res),
+                   srv.pid, big_body_statuses=dict(sorted(statuses.items())),
                    big_body_slowest_answer_s=slowest,
                    storm_s=[round(b - a, 2) for a, b in spans],
                    sender_cpu_s=round(sum(b.cpu_s for b in bigs), 1),
@@ -514,8 +423,8 @@ def big_bodies(args: argparse.Namespace) -> Row:
 
 def refusal_cost(args: argparse.Namespace) -> list[Row]:
     """What a refusal from the header costs the server: the dstack mix with SLOs of 1 ms
-    (no plan meets them: every request is refused from its header, `unplanned`),
-    `--refusal-requests` one-item resnet18 requests (600 KB bodies); see `_server_cost`."""
+    (no plan meets them: every request is refused from its header, `unplanned`), 20,000
+    one-item resnet18 requests (600 KB bodies); see `_server_cost`."""
     out = []
     for n in args.frontends:
         cfg = config("dstack", f"refusal-cost-{n}", {"frontends": n})
@@ -523,7 +432,7 @@ def refusal_cost(args: argparse.Namespace) -> list[Row]:
         for m in spec["models"]:
             m["slo_ms"], m["max_queue_delay_ms"] = 1, 0.5
         cfg.write_text(yaml.safe_dump(spec))
-        out.append(_server_cost(cfg, "resnet18", args.refusal_requests,
+        out.append(_server_cost(cfg, "resnet18", 20_000,
                                 "refusal cost (resnet18, 600 KB bodies", n))
     return out
 
@@ -536,14 +445,13 @@ ACCEPT_CONFIG = {"device": "cpu", "policy": "shared", "worker_nice": 0, "models"
 
 def accept_cost(args: argparse.Namespace) -> list[Row]:
     """What an answered request costs the server's processes, the worker's compute aside:
-    `--accept-requests` one-item requests of `ACCEPT_CONFIG`'s model (`answered_per_s`
-    under `per_s` says some were refused: their CPU is in the figures); see `_server_cost`."""
+    5,000 one-item requests of `ACCEPT_CONFIG`'s model (`answered_per_s` under `per_s`
+    says some were refused: their CPU is in the figures); see `_server_cost`."""
     out = []
     for n in args.frontends:
         cfg = OUT / f"accept-cost-{n}.yaml"
-        cfg.write_text(yaml.safe_dump({**ACCEPT_CONFIG,
-                                       "server": {"frontends": n}}))
-        out.append(_server_cost(cfg, "image", args.accept_requests,
+        cfg.write_text(yaml.safe_dump({**ACCEPT_CONFIG, "server": {"frontends": n}}))
+        out.append(_server_cost(cfg, "image", 5_000,
                                 "accept cost (pool_linear, 600 KB bodies", n))
     return out
 
@@ -554,19 +462,18 @@ def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> R
     (`server_*`: with front ends, the dispatch process's), and the front ends' together
     (`frontends_us`), from /proc."""
     conns = 8
-    name = cfg.stem
-    with serving(cfg, OUT / f"{name}.log") as srv:
+    with serving(cfg, OUT / f"{cfg.stem}.log") as srv:
         meta = get_json(f"{srv.host}/v2/models/{model}")
         tally = cl.Tally()
 
-        async def send(client: LeanClient, req: bytes, k: int) -> None:
+        async def send(client: cl.LeanClient, req: bytes, k: int) -> None:
             for _ in range(k):
                 t0 = time.perf_counter()
                 status, body, headers = await client.send(req, 10)
                 tally.record(status, body, headers, (time.perf_counter() - t0) * 1000, 1e9)
 
         async def all_of(k: int) -> None:
-            client = LeanClient(srv.host)
+            client = cl.LeanClient(srv.host)
             req = client.post(f"/v2/models/{model}/infer", *one_item_body(meta))
             try:
                 await asyncio.gather(*(send(client, req, k // conns) for _ in range(conns)))
@@ -592,21 +499,25 @@ def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> R
 
 
 def slowloris(args: argparse.Namespace) -> Row:
-    """`--slowloris` half-header sockets, kept open for one header timeout and 2 s (the
-    attacker opens again, 0.1 s later, every socket the server closes), beside 0.5x load
-    sent each request on a new connection (as from many clients: what a full connection
-    cap turns away). Reported: that load's p99 against the same load unloaded, its 503s,
-    and how and when the server closed the stalled sockets (each socket's life from its
-    connect)."""
+    """1,000 half-header sockets, kept open for one header timeout and 2 s (the attacker
+    opens again, 0.1 s later, every socket the server closes), beside 0.5x load sent each
+    request on a new connection (as from many clients: what a full connection cap turns
+    away). Reported: that load's p99 against the same load unloaded, its 503s, and how
+    and when the server closed the stalled sockets (each socket's life from its connect)."""
+    import resource
+
+    n = 1000
     base, slos = mix("dstack")
     rates = {m: r * 0.5 for m, r in base.items()}
     timeout_s = 10.0  # the default header_timeout_s
-    _raise_open_files(args.slowloris + 1024)  # the server (our child) inherits it too
-    with serving(config("dstack", "slowloris", top=args.top), OUT / "slowloris.log") as srv:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the server inherits it too
+    if soft != resource.RLIM_INFINITY and soft < n + 1024:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n + 1024 if hard == resource.RLIM_INFINITY
+                                                    else min(n + 1024, hard), hard))
+    with serving(config("dstack", "slowloris"), OUT / "slowloris.log") as srv:
         run(cl.open_loop(srv.host, rates, slos, 2.0, fresh_connections=True))
         quiet = cl.total(run(cl.open_loop(srv.host, rates, slos, 8, seed=4,
                                           fresh_connections=True)))
-        port = srv.port
         hold_s = timeout_s + 2
 
         async def go() -> tuple[dict[str, cl.Tally], cl.SlowlorisResult, int]:
@@ -615,14 +526,14 @@ def slowloris(args: argparse.Namespace) -> Row:
                                                     fresh_connections=True))
             await asyncio.sleep(0.5)
             attack = asyncio.create_task(
-                cl.slowloris("127.0.0.1", port, args.slowloris, hold_s, timeout_s + 3))
+                cl.slowloris("127.0.0.1", srv.port, n, hold_s, timeout_s + 3))
             await asyncio.sleep(hold_s / 2)
             held = open_sockets(srv.pid)
             return await load, await attack, held
 
         res, sl, held = run(go())
         t = cl.total(res)
-        return row(f"slowloris {args.slowloris} half headers", t, srv.pid,
+        return row(f"slowloris {n} half headers", t, srv.pid,
                    normal_503=t.refused.get("unavailable", 0),
                    other_p99_ms=cl.pct(t.latencies_ms, 99),
                    unloaded_p99_ms=cl.pct(quiet.latencies_ms, 99),
@@ -631,34 +542,14 @@ def slowloris(args: argparse.Namespace) -> Row:
                    stalled_connect_failed=sl.connect_failed, stalled_closed=dict(sl.closed),
                    stalled_longest_life_s={k: round(max(v), 2)
                                            for k, v in sl.lifetime_s.items()},
-                   stalled_still_open=sl.still_open,
-                   server_open_files_limit=_open_files_limit(srv.pid))
-
-
-def _raise_open_files(want: int) -> None:
-    """This process's soft limit on open files to `want` (up to the hard limit)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY
-                                                    else min(want, hard), hard))
-
-
-def _open_files_limit(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/limits") as f:
-            line = next(x for x in f if x.startswith("Max open files"))
-        return "/".join(line.split()[3:5])  # soft/hard
-    except (OSError, StopIteration):
-        return "?"
+                   stalled_still_open=sl.still_open)
 
 
 def stalled(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
     rates = {m: r * 0.5 for m, r in base.items()}
     body_timeout = 5
-    with serving(config("dstack", "stalled", {"body_timeout_s": body_timeout}, top=args.top),
+    with serving(config("dstack", "stalled", {"body_timeout_s": body_timeout}),
                  OUT / "stalled.log") as srv:
         t0 = time.monotonic()
 
@@ -666,28 +557,26 @@ def stalled(args: argparse.Namespace) -> Row:
             load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, body_timeout + 3,
                                                     seed=5))
             await asyncio.sleep(0.5)
-            got = await cl.stalled_uploads("127.0.0.1", srv.port, args.stalled, 1_000_000,
-                                           500_000, body_timeout + 5)
+            got = await cl.stalled_uploads("127.0.0.1", srv.port, 50, 1_000_000, 500_000,
+                                           body_timeout + 5)
             return await load, got
 
         res, outcomes = run(go())
-        return row(f"{args.stalled} stalled uploads (body timeout {body_timeout} s)",
-                   cl.total(res), srv.pid, stalled_outcomes=dict(outcomes),
+        return row(f"50 stalled uploads (body timeout {body_timeout} s)", cl.total(res),
+                   srv.pid, stalled_outcomes=dict(outcomes),
                    answered_within_s=time.monotonic() - t0)
 
 
 def over_limit(args: argparse.Namespace) -> Row:
-    """Bodies over the limit, sent whole before the answer is read, one after another on
-    kept-alive connections (declared and chunked, with and without `Connection: close`):
+    """64 bodies over the limit, sent whole before the answer is read, one after another
+    on kept-alive connections (declared and chunked, with and without `Connection: close`):
     each must read its 413, not a reset, and the server must be left as it was."""
     limit = 1 << 20
     with serving(config("tiny", "overlimit", {"max_body_bytes": limit}),
                  OUT / "overlimit.log") as srv:
-        port = srv.port
         socks0, rss0 = open_sockets(srv.pid), rss_mb(srv.pid)
         t0 = time.monotonic()
-        got, slowest = cl.over_limit_uploads("127.0.0.1", port, args.over_limit,
-                                             32 * limit, 8, 60)
+        got, slowest = cl.over_limit_uploads("127.0.0.1", srv.port, 64, 32 * limit, 8, 60)
         seconds = time.monotonic() - t0
         time.sleep(1)  # the last connections' lingering closes
         answered = {int(k): v for k, v in got.items() if k.isdigit()}
@@ -695,7 +584,7 @@ def over_limit(args: argparse.Namespace) -> Row:
                      other_4xx=sum(v for k, v in answered.items() if 400 <= k < 500),
                      err_5xx=sum(v for k, v in answered.items() if k >= 500),
                      conn=sum(got.values()) - sum(answered.values()) - got["TimeoutError"])
-        return row(f"{args.over_limit} x 32 MiB over a 1 MiB limit", t, srv.pid,
+        return row("64 x 32 MiB over a 1 MiB limit", t, srv.pid,
                    statuses=dict(sorted(got.items())), slowest_answer_s=slowest,
                    seconds=seconds, sockets_before_after=(socks0, open_sockets(srv.pid)),
                    rss_before_mb=rss0, still_serving=model_ready(srv.host, "tiny_cnn"))
@@ -704,35 +593,21 @@ def over_limit(args: argparse.Namespace) -> Row:
 def sigterm(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
     rates = {m: r * _capacity(args) for m, r in base.items()}
-    with serving(config("dstack", "sigterm", top=args.top), OUT / "sigterm.log") as srv:
-        async def go() -> tuple[dict[str, cl.Tally], int | None, float, float]:
+    with serving(config("dstack", "sigterm"), OUT / "sigterm.log") as srv:
+        async def go() -> tuple[dict[str, cl.Tally], int | None, float]:
             stop = asyncio.Event()
             load = asyncio.create_task(cl.open_loop(srv.host, rates, slos, 8, stop=stop))
             await asyncio.sleep(3)
             t0 = time.monotonic()
-            sent_at = time.time()
             os.kill(srv.pid, signal.SIGTERM)
             code = await asyncio.to_thread(_wait_exit, srv.pid, 30)
             exited = time.monotonic() - t0
             stop.set()
-            return await load, code, exited, sent_at
+            return await load, code, exited
 
-        res, code, exited, sent_at = run(go())
-        text = srv.log.read_text()
-        stopped = _log_time(text, "dstack stopped")
+        res, code, exited = run(go())
         return row("SIGTERM under 1x load", cl.total(res), None, exit_code=code,
-                   exit_after_s=exited, stopped_logged_after_s=stopped - sent_at
-                   if stopped else float("nan"))
-
-
-def _log_time(text: str, needle: str) -> float | None:
-    """The wall-clock time of the last log line holding `needle` (its asctime)."""
-    from datetime import datetime
-
-    for line in reversed(text.splitlines()):
-        if needle in line:
-            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    return None
+                   exit_after_s=exited)
 
 
 def _wait_exit(pid: int, timeout_s: float) -> int | None:
@@ -752,10 +627,8 @@ def fuzz_real(args: argparse.Namespace) -> Row:
                                          64 * limit, "body_timeout_s": 2}),
                  OUT / "fuzz.log") as srv:
         models = {"tiny_cnn": get_json(f"{srv.host}/v2/models/tiny_cnn")}
-        port = srv.port
-        start = rss_mb(srv.pid)
-        t0 = time.monotonic()
-        samples = []
+        start, t0 = rss_mb(srv.pid), time.monotonic()
+        samples: list[float] = []
         done = 0
         statuses: Counter = Counter()
         tally = cl.Tally()
@@ -763,7 +636,7 @@ def fuzz_real(args: argparse.Namespace) -> Row:
         step = max(1, args.fuzz // 10)
         while done < args.fuzz:  # in tenths, to sample memory as it goes
             n = min(step, args.fuzz - done)
-            s, t, b = run(cl.fuzz("127.0.0.1", port, models, n, seed=done, concurrency=32,
+            s, t, b = run(cl.fuzz("127.0.0.1", srv.port, models, n, seed=done, concurrency=32,
                                   max_body_bytes=limit, hang_s=15))
             statuses.update(s)
             tally.add(t)
@@ -772,11 +645,10 @@ def fuzz_real(args: argparse.Namespace) -> Row:
             samples.append(rss_mb(srv.pid))
             print(f"  fuzz {done}: RSS {samples[-1]:.0f} MB, 5xx {tally.err_5xx}, "
                   f"hung {tally.hung}", flush=True)
-        alive = model_ready(srv.host, "tiny_cnn")
         return row(f"fuzzer {args.fuzz} cases", tally, srv.pid,
                    statuses=dict(sorted(statuses.items())), rss_start_mb=start,
                    rss_samples_mb=samples, seconds=time.monotonic() - t0,
-                   still_serving=alive, examples=bad[:5])
+                   still_serving=model_ready(srv.host, "tiny_cnn"), examples=bad[:5])
 
 
 # ------------------------------------------------------------------ report
@@ -798,38 +670,27 @@ def table(rows: list[Row]) -> str:
 
 def notes(rows: list[Row]) -> str:
     out = []
+    skip = {"scenario", "sent", "in_slo", "late", "refused", "other_4xx", "5xx", "hung",
+            "conn", "peak_rss_mb", "final_rss_mb", "refusal_p50_ms", "samples_5xx",
+            "refusal_p50_p99_ms_by_reason", "p99_ms", "refusal_p99_ms", "non_json_errors"}
     for r in rows:
-        if r["scenario"].startswith("overload"):
-            out.append(f"{r['scenario']}: offered {r['offered_rps']:.0f} rps, goodput "
-                       f"{r['goodput_rps']:.1f}/s = {r['goodput_vs_1x']:.2f} of 1x (>= 0.90; "
-                       f"rounds {r['goodput_vs_1x_rounds']}), "
-                       + "".join(f"{k.removeprefix('goodput_')} {r[k]:.2f} (rounds "
-                                 f"{r[k + '_rounds']}), " for k in r
-                                 if k.startswith("goodput_vs_") and k != "goodput_vs_1x"
-                                 and not k.endswith("_rounds"))
-                       + "HTTP floor (GET health) p50 / p99 "
-                       f"{r['health_p50_p99_ms'][0]:g} / {r['health_p50_p99_ms'][1]:g} ms, "
-                       f"cores used {r['cores_used']}, "
-                       f"server's loop {r['server_loop']}, load generator's "
-                       f"{r['load_generator_loop']}, "
-                       + (f"front ends' {r['front_ends_loops']}, "
-                          if "front_ends_loops" in r else "")
-                       + f"accepted within SLO {100 * r['accepted_in_slo']:.1f}% (>= 99%; "
-                       f"of the {r['late']} late, {r['late_in_server']} late on the "
-                       "server's clock), time outside the server's (Server-Timing) p50 / "
-                       f"p99 {r['outside_server_p50_p99_ms']}, "
-                       f"refusal p50 / p99 {r['refusal_p50_ms']:.1f} / {r['refusal_p99_ms']:.1f}"
-                       " ms (p99 < 5); by reason (p50, p99): "
-                       + ", ".join(f"{k} {v[0]:g} / {v[1]:g}"
-                                   for k, v in r["refusal_p50_p99_ms_by_reason"].items())
-                       + f"; the server's refusals {r['server_refusals']}")
-        else:
-            skip = {"scenario", "sent", "in_slo", "late", "refused", "other_4xx", "5xx", "hung",
-                    "conn", "peak_rss_mb", "final_rss_mb", "refusal_p50_ms", "samples_5xx",
-                    "refusal_p50_p99_ms_by_reason", "p99_ms", "refusal_p99_ms",
-                    "non_json_errors"}
+        if not r["scenario"].startswith("overload"):
             out.append(r["scenario"] + ": " + ", ".join(
                 f"{k} {_fmt(v)}" for k, v in r.items() if k not in skip))
+            continue
+        vs = "".join(f"{k.removeprefix('goodput_')} {r[k]:.2f} (rounds {r[k + '_rounds']}), "
+                     for k in r if k.startswith("goodput_vs_") and k != "goodput_vs_1x"
+                     and not k.endswith("_rounds"))
+        by_reason = ", ".join(f"{k} {v[0]:g} / {v[1]:g}"
+                              for k, v in r["refusal_p50_p99_ms_by_reason"].items())
+        out.append(f"{r['scenario']}: offered {r['offered_rps']:.0f} rps, goodput "
+                   f"{r['goodput_rps']:.1f}/s = {r['goodput_vs_1x']:.2f} of 1x (>= 0.90; "
+                   f"rounds {r['goodput_vs_1x_rounds']}), {vs}HTTP floor (GET health) p50 / "
+                   f"p99 {r['health_p50_p99_ms'][0]:g} / {r['health_p50_p99_ms'][1]:g} ms, "
+                   f"cores used {r['cores_used']}, accepted within SLO "
+                   f"{100 * r['accepted_in_slo']:.1f}% (>= 99%), refusal p50 / p99 "
+                   f"{r['refusal_p50_ms']:.1f} / {r['refusal_p99_ms']:.1f} ms (p99 < 5); "
+                   f"by reason (p50, p99): {by_reason}")
     return "\n".join(out)
 
 
@@ -838,7 +699,7 @@ def _interrupt(sig: int, _: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global LOAD_NICE, HOSTILE_NICE, MIX, LOAD_PROCS
+    global MIX, LOAD_PROCS
     scenarios: dict[str, Callable[[argparse.Namespace], Row | list[Row]]] = {
         "overload": overload, "kill": worker_kill, "bodies": big_bodies,
         "over-limit": over_limit, "slowloris": slowloris, "stalled": stalled,
@@ -858,39 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     add("--load-procs", type=int, default=1,
         help="overload: processes the load is sent from (one Python process cannot send "
              "thousands of 600 KB requests a second)")
+    add("--load-cores", type=int, nargs="+", default=None,
+        help="overload: the load generator on these cores, the servers and workers on the "
+             "others (no control window then)")
     add("--overload-seconds", type=float, default=10.0)
     add("--reps", type=int, default=3, help="rounds of 1x, 2x, 4x")
     add("--no-control", dest="control", action="store_false",
         help="leave out each round's control window (CONTROL)")
-    add("--calibrate-seconds", type=float, default=5.0)
-    add("--calibrate-scales", type=lambda v: [float(x) for x in v.split(",")],
-        default=[4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0],
-        help="multiples of the mix's rate_rps tried by the capacity ramp")
     add("--capacity-scale", type=float, default=0.0,
         help="capacity as a multiple of the mix's rate_rps (0: calibrate)")
-    add("--fault-seconds", type=float, default=12.0)
-    add("--big-bodies", type=int, default=20, help="bodies at once in a storm")
-    add("--big-body-mb", type=float, default=20.0)
-    add("--storms", type=int, default=5)
-    add("--side-load", type=float, default=4.0,
-        help="the traffic beside the big bodies, as a multiple of the mix's rate_rps")
-    add("--over-limit", type=int, default=64, help="bodies of 32 MiB to a 1 MiB limit")
-    add("--slowloris", type=int, default=1000)
-    add("--stalled", type=int, default=50)
-    add("--fuzz", type=int, default=100_000)
-    add("--refusal-requests", type=int, default=20_000)
-    add("--accept-requests", type=int, default=5_000)
-    add("--worker-nice", type=int, default=None,
-        help="worker_nice of every server (default: the config's); the big-body sender too")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--frontend-cores", type=int, nargs="+", default=None,
-                       help="overload: the servers' `server.cores`; the load generator "
-                            "moves there too once they have started")
-    where.add_argument("--load-cores", type=int, nargs="+", default=None,
-                       help="overload: the load generator on these cores, the servers and "
-                            "workers on the others (no control window then)")
-    add("--load-nice", type=int, default=LOAD_NICE,
-        help="how much nicer than the servers the measured clients run")
+    add("--fuzz", type=int, default=100_000, help="fuzzer cases")
     args = p.parse_args(argv)
     if args.load_cores:
         if not set(args.load_cores) < set(host := available_cores()):
@@ -902,10 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_procs < 1:
         p.error("--load-procs must be at least 1")
     MIX = {pol: ROOT / MIXES[args.mix].format(pol) for pol in MIX}
-    LOAD_PROCS, LOAD_NICE = args.load_procs, args.load_nice
-    args.top = {} if args.worker_nice is None else {"worker_nice": args.worker_nice}
-    if args.worker_nice is not None:
-        HOSTILE_NICE = args.worker_nice
+    LOAD_PROCS = args.load_procs
     args.capacity = {}
     signal.signal(signal.SIGTERM, _interrupt)  # stop our servers on `timeout` / kill too
     OUT.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Load for the chaos benchmark (`bench/bench_chaos.py`) and the soak (`bench/soak.py`):
-open-loop Poisson infer requests with every outcome counted, big bodies from a child
-process, bodies over the limit, slowloris sockets, stalled uploads, and the fuzzer's cases
-on raw sockets.
+open-loop Poisson infer requests sent by a lean HTTP/1.1 client with every outcome counted,
+big bodies from a child process, bodies over the limit, slowloris sockets, stalled uploads,
+and the fuzzer's cases on raw sockets.
 
 Outcomes, per request: `ok` (200 within the SLO), `late` (200 after it), `refused` (429
 by its body's "reason"; 503 with Retry-After as "unavailable"), `other_4xx`, `err_5xx`
@@ -18,18 +18,122 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
+import httptools
 import numpy as np
 
 from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire_bytes
-from bench.lean_http import LeanClient
 from bench.loads import one_item_body, poisson_arrivals
-from bench.servers import (
-    admission_terms,
-    cpu_user_sys_s,  # noqa: F401 (bench.bench_protocols imports it here)
-    get_json,
-)
-from dstack.common.pauses import Lateness, count_lateness
+from bench.servers import cpu_user_sys_s, get_json  # noqa: F401 (bench_protocols imports it here)
+
+#: An answer: status, body, headers (names lower-case).
+Answer = tuple[int, bytes, dict[str, str]]
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection, its answers parsed by httptools (uvicorn's C parser)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[tuple[Answer, bool]] | None = None
+        self.body: list[bytes] = []
+        self.headers: dict[str, str] = {}
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(ConnectionError(f"bad response: {e}"))
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        answer = (self.parser.get_status_code(), b"".join(self.body), self.headers)
+        self.body, self.headers = [], {}
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result((answer, self.parser.should_keep_alive()))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail(ConnectionError(f"connection lost: {exc or 'closed by the server'}"))
+
+    def _fail(self, exc: Exception) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+
+class LeanClient:
+    """Requests to one `http://host:port`, each one prepared bytes object, on kept-alive
+    connections reused one request at a time (`fresh`: a new connection for each request,
+    closed after it); one future per request and no task, timer or header object of its
+    own (aiohttp took more of the cores it shares with the server than the server did)."""
+
+    def __init__(self, base_url: str, *, fresh: bool = False) -> None:
+        u = urlsplit(base_url)
+        if u.scheme != "http" or u.hostname is None or u.port is None:
+            raise ValueError(f"want http://host:port, got {base_url!r}")
+        self.host, self.port, self.fresh = u.hostname, u.port, fresh
+        self.idle: list[_Connection] = []
+
+    def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        """The whole request, ready to send (build it once, send it many times)."""
+        head = [f"POST {path} HTTP/1.1", f"host: {self.host}:{self.port}",
+                f"content-length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+    async def send(self, request: bytes, timeout_s: float) -> Answer:
+        """Send a request made by `post` and wait for its answer; TimeoutError after
+        `timeout_s` (the connection is closed), ConnectionError when it fails."""
+        loop = asyncio.get_running_loop()
+        conn = None
+        while self.idle and conn is None:
+            conn = self.idle.pop()
+            if conn.lost:  # closed by the server while idle (its keep-alive timeout)
+                conn = None
+        if conn is None:
+            _, conn = await loop.create_connection(_Connection, self.host, self.port)
+        waiter: asyncio.Future[tuple[Answer, bool]] = loop.create_future()
+        conn.waiter = waiter
+        assert conn.transport is not None
+        conn.transport.write(request)
+        expiry = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            answer, keep = await waiter
+        except BaseException:
+            conn.transport.close()
+            raise
+        finally:
+            expiry.cancel()
+        if keep and not self.fresh and not conn.lost:
+            self.idle.append(conn)
+        else:
+            conn.transport.close()
+        return answer
+
+    def close(self) -> None:
+        for conn in self.idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self.idle.clear()
+
+
+def _expire(waiter: asyncio.Future[tuple[Answer, bool]]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 @dataclass
@@ -48,21 +152,12 @@ class Tally:
     refusal_ms_by_reason: dict[str, list[float]] = field(default_factory=dict)
     non_json_errors: int = 0  # a 4xx / 5xx whose body is not {"error": ...}
     samples_5xx: list[str] = field(default_factory=list)
-    # From the answers' Server-Timing (the server's time from the request's first byte to
-    # its answer written): the late answers that were late on the server's clock too, and
-    # the time spent outside the server (this client's time less the server's), in ms.
-    late_in_server: int = 0
-    outside_ms: list[float] = field(default_factory=list)  # answered 200
-    refusal_outside_ms: list[float] = field(default_factory=list)  # 429 / 503
-    # of that, the client's own: from the refusal's last byte parsed to its await done
-    refusal_own_ms: list[float] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
         for k in ("sent", "ok", "late", "other_4xx", "err_5xx", "hung", "conn",
-                  "non_json_errors", "late_in_server"):
+                  "non_json_errors"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
-        for k in ("latencies_ms", "answered_at", "refusal_ms", "outside_ms",
-                  "refusal_outside_ms", "refusal_own_ms"):
+        for k in ("latencies_ms", "answered_at", "refusal_ms"):
             getattr(self, k).extend(getattr(other, k))
         self.refused.update(other.refused)
         for k, v in other.refusal_ms_by_reason.items():
@@ -80,22 +175,15 @@ class Tally:
                 if any(at - ms / 1000 < b and at > a for a, b in spans)]
 
     def record(self, status: int, body: bytes, headers: Any, ms: float, slo_ms: float,
-               at: float = float("nan"), own_ms: float | None = None) -> None:
+               at: float = float("nan")) -> None:
         self.sent += 1
-        server = server_ms(headers)
         if status == 200:
             self.latencies_ms.append(ms)
             self.answered_at.append(at)
-            if server is not None:
-                self.outside_ms.append(ms - server)
-            if ms <= slo_ms:
-                self.ok += 1
-            else:
-                self.late += 1
-                self.late_in_server += server is None or server > slo_ms
+            self.ok += ms <= slo_ms
+            self.late += ms > slo_ms
             return
-        err = decode_json_error(body)
-        if err is None:
+        if decode_json_error(body) is None:
             self.non_json_errors += 1
         if status == 429 or (status == 503 and headers.get("retry-after") is not None):
             reason = "unavailable"
@@ -106,10 +194,6 @@ class Tally:
                     reason = "unspecified"
             self.refused[reason] += 1
             self.refusal_ms.append(ms)
-            if server is not None:
-                self.refusal_outside_ms.append(ms - server)
-            if own_ms is not None:
-                self.refusal_own_ms.append(own_ms)
             self.refusal_ms_by_reason.setdefault(reason, []).append(ms)
         elif 400 <= status < 500:
             self.other_4xx += 1
@@ -119,20 +203,15 @@ class Tally:
                 self.samples_5xx.append(f"{status} {body[:200]!r}")
 
 
-def server_ms(headers: Any) -> float | None:
-    """The server's own time for a request, from its answer's `Server-Timing: total;dur=`
-    (ms), or None."""
-    value = headers.get("server-timing") if headers else None
-    if not value or not value.startswith("total;dur="):
-        return None
-    try:
-        return float(value[10:])
-    except ValueError:
-        return None
-
-
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def total(tallies: dict[str, Tally]) -> Tally:
+    t = Tally()
+    for x in tallies.values():
+        t.add(x)
+    return t
 
 
 class Burner:
@@ -183,14 +262,12 @@ def _burn(cores: float, nice: int, chunk: int = 600_000) -> None:
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                     duration_s: float, *, seed: int = 1, hang_s: float = 10.0,
                     max_inflight: int = 1024, stop: asyncio.Event | None = None,
-                    fresh_connections: bool = False,
-                    loop_late: Lateness | None = None) -> dict[str, Tally]:
+                    fresh_connections: bool = False) -> dict[str, Tally]:
     """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (or until
     `stop` is set); each request one item, binary, sent by `LeanClient` (cheap in this
     process, which shares the server's cores). Latency from send to full answer.
     `fresh_connections`: each request on a new connection, closed after it (as from many
-    clients), instead of kept-alive ones reused. `loop_late`: counts how late a 10 ms
-    timer of this process's loop fired meanwhile (the sender's own hold-ups)."""
+    clients), instead of kept-alive ones reused."""
     rng = np.random.default_rng(seed)
     metas = {m: get_json(f"{host}/v2/models/{m}") for m in rates}
     client = LeanClient(host, fresh=fresh_connections)
@@ -204,7 +281,7 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
         async with sem:
             t0 = time.perf_counter()
             try:
-                (status, data, rh), parsed_at = await client.send_timed(requests[m], hang_s)
+                status, data, rh = await client.send(requests[m], hang_s)
             except TimeoutError:
                 t.sent += 1
                 t.hung += 1
@@ -214,10 +291,8 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
                 t.conn += 1
                 return
             t1 = time.perf_counter()
-            t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1, (t1 - parsed_at) * 1000)
+            t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
 
-    # as the server's is (`Runtime.loop_late`)
-    ticker = asyncio.create_task(count_lateness(loop_late)) if loop_late is not None else None
     try:
         arrivals = poisson_arrivals(rng, rates, duration_s)
         t_start = time.perf_counter()
@@ -231,25 +306,19 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
             tasks.append(asyncio.create_task(one(m)))
         await asyncio.gather(*tasks)
     finally:
-        if ticker is not None:
-            ticker.cancel()
         client.close()
     return out
 
 
 async def open_loop_sharded(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                             duration_s: float, *, seed: int = 1, procs: int = 1
-                            ) -> tuple[dict[str, Tally], float, Lateness]:
+                            ) -> tuple[dict[str, Tally], float]:
     """`open_loop` split over `procs` processes (each a `procs`-th of every rate, a seed of
-    its own), for loads one Python process cannot send: on a machine with cores to spare
-    for the client, thousands of 600 KB requests a second. Returns the merged tallies, the
-    CPU seconds the shards used (they are not this process's children: the forkserver's,
-    so `os.times()` does not count them) and their loops' lateness together. procs 1:
-    `open_loop` here, 0 s."""
+    its own), for loads one Python process cannot send. Returns the merged tallies and the
+    CPU seconds the shards used (the forkserver's children: `os.times()` misses them);
+    procs 1: `open_loop` here, 0 s."""
     if procs <= 1:
-        late = Lateness()
-        return (await open_loop(host, rates, slos_ms, duration_s, seed=seed, loop_late=late),
-                0.0, late)
+        return await open_loop(host, rates, slos_ms, duration_s, seed=seed), 0.0
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")  # forks from a clean, single-threaded process
@@ -272,12 +341,11 @@ async def open_loop_sharded(host: str, rates: dict[str, float], slos_ms: dict[st
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
-    merged, late = {m: Tally() for m in rates}, Lateness()
-    for tallies, _, shard_late in results:
+    merged = {m: Tally() for m in rates}
+    for tallies, _ in results:
         for m, t in tallies.items():
             merged[m].add(t)
-        late.merge(shard_late)
-    return merged, sum(cpu for _, cpu, _ in results), late
+    return merged, sum(cpu for _, cpu in results)
 
 
 def _shard(conn: Any, host: str, rates: dict[str, float], slos_ms: dict[str, float],
@@ -286,49 +354,9 @@ def _shard(conn: Any, host: str, rates: dict[str, float], slos_ms: dict[str, flo
 
     freeze_startup_objects()
     time.sleep(max(0.0, start_at - time.time()))
-    late = Lateness()
-    tallies = asyncio.run(open_loop(host, rates, slos_ms, duration_s, seed=seed,
-                                    loop_late=late))
-    conn.send((tallies, sum(os.times()[:2]), late))
+    tallies = asyncio.run(open_loop(host, rates, slos_ms, duration_s, seed=seed))
+    conn.send((tallies, sum(os.times()[:2])))
     conn.close()
-
-
-async def with_admission_terms(host: str, load: Any, at_s: float) -> tuple[Any, dict]:
-    """Run `load`, reading the server's admission terms (`bench.servers.admission_terms`:
-    per model, what admission counts besides compute) `at_s` into it ({} if unread)."""
-    task = asyncio.ensure_future(load)
-    await asyncio.sleep(at_s)
-    try:
-        terms = await asyncio.to_thread(admission_terms, host)
-    except OSError:
-        terms = {}
-    return await task, terms
-
-
-def format_terms(terms: dict[str, dict[str, float]]) -> str:
-    """`with_admission_terms`' reading on one line: per model, each term (ms) and margin."""
-    return "; ".join(f"{m} " + ", ".join(f"{k} {v:.2g}" for k, v in mt.items())
-                     for m, mt in terms.items())
-
-
-def format_late(tallies: dict[str, Tally], slos_ms: dict[str, float]) -> str:
-    """Each model's answers over its SLO, by how much at the median and how many of them
-    were late on the server's clock too (Server-Timing): 'm 12 (p50 23.1 ms, SLO 20; 3 in
-    the server)', so that a miss of the within-SLO share says whose answers were late, and
-    where."""
-    out = []
-    for m, t in tallies.items():
-        over = [ms for ms in t.latencies_ms if ms > slos_ms[m]]
-        out.append(f"{m} {len(over)}" + (f" (p50 {pct(over, 50):.1f} ms, SLO {slos_ms[m]:g}; "
-                                         f"{t.late_in_server} in the server)" if over else ""))
-    return ", ".join(out)
-
-
-def total(tallies: dict[str, Tally]) -> Tally:
-    t = Tally()
-    for x in tallies.values():
-        t.add(x)
-    return t
 
 
 # ------------------------------------------------------------------ big bodies from a child

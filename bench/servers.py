@@ -21,9 +21,6 @@ from typing import Any
 
 import yaml
 
-from dstack.common.pauses import Lateness
-from server.metrics import REFUSAL_STAGES, histogram_counts
-
 ROOT = Path(__file__).resolve().parents[1]
 DSTACK = Path(sys.executable).with_name("dstack")
 #: How to start the CLI: the installed script, else this interpreter on the source tree
@@ -201,93 +198,9 @@ def open_sockets(pid: int) -> int:
     return n
 
 
-# ------------------------------------------------------------------ what the server says
-
-
 def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
-
-
-def _metrics(host: str) -> str:
-    with urllib.request.urlopen(f"{host}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def _families(host: str) -> Any:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return text_string_to_metric_families(_metrics(host))
-
-
-def admission_terms(host: str) -> dict[str, dict[str, float]]:
-    """Per model, what the server's admission counts besides compute, from its /metrics
-    (`dstack_admission_seconds` by term, in ms; `margin`, the factor)."""
-    out: dict[str, dict[str, float]] = {}
-    for fam in _families(host):
-        for sample in fam.samples:
-            if sample.name == "dstack_admission_seconds":
-                out.setdefault(sample.labels["model"], {})[sample.labels["term"]] = (
-                    1000 * sample.value)
-            elif sample.name == "dstack_admission_margin":
-                out.setdefault(sample.labels["model"], {})["margin"] = sample.value
-    return out
-
-
-def loop_late(host: str) -> Lateness:
-    """The server's `dstack_event_loop_late_seconds` histogram (/metrics) as counts: how
-    late each tick of its event loop's 10 ms timer fired since it started."""
-    return histogram_counts(_metrics(host), "dstack_event_loop_late_seconds")
-
-
-def frontends_loop_late(host: str) -> Lateness:
-    """The front ends' `dstack_frontend_loop_late_seconds` (/metrics), all together (no
-    counts without front ends)."""
-    return histogram_counts(_metrics(host), "dstack_frontend_loop_late_seconds")
-
-
-def frontend_refusals(host: str) -> dict[str, int]:
-    """Refusals the front ends answered without the dispatch process's decision (/metrics;
-    0 without front ends): `standing` (within a standing refusal) and `undecided` (not
-    decided on within `server.decision_timeout_ms`)."""
-    out = {"standing": 0, "undecided": 0}
-    for fam in _families(host):
-        for kind in out:
-            if fam.name == f"dstack_frontend_{kind}_refusals":
-                out[kind] = int(sum(sample.value for sample in fam.samples))
-    return out
-
-
-def refusal_times(host: str) -> dict[str, Lateness]:
-    """The server's `dstack_refusal_seconds` (/metrics), every model's together, by stage:
-    how long each refusal took from the request's first byte, decided from its header
-    ("header"), once its body had been read ("body"), or after it waited queued ("queue")."""
-    text = _metrics(host)
-    return {stage: histogram_counts(text, "dstack_refusal_seconds", stage=stage)
-            for stage in REFUSAL_STAGES}
-
-
-def refusals_since(after: dict[str, Lateness], before: dict[str, Lateness]
-                   ) -> dict[str, Lateness]:
-    """The refusals `refusal_times` counted between two readings of it."""
-    return {stage: after[stage].since(before[stage]) for stage in after}
-
-
-_STAGE_WORDS = {"header": "at the header", "body": "after the body",
-                "queue": "after waiting queued"}
-
-
-def refusal_summary(times: dict[str, Lateness]) -> str:
-    """'at the header N (J%, p99 <= X ms, A over 5 ms), after the body M (...), ...': each
-    stage's refusals, their share, and how many took more than 5 ms (the overload target's
-    p99), as the server timed them from the first byte."""
-    total = sum(t.count for t in times.values())
-    if not total:
-        return "no refusals"
-    return ", ".join(f"{_STAGE_WORDS[stage]} "
-                     f"{t.count} ({100 * t.count / total:.1f}%, p99 <= "
-                     f"{1000 * t.quantile_s(0.99):g} ms, {t.over(0.005)} over 5 ms)"
-                     for stage, t in times.items())
 
 
 def model_stats(host: str, model: str) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The chaos benchmark's load client (`bench.lean_http`) against a real uvicorn with the
+"""The chaos benchmark's load client (`bench.chaos_load.LeanClient`) against a real uvicorn with the
 server's protocol: answers parsed whole, refusals read with their headers, connections
 reused, a server that closes or does not answer reported as such."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.lean_http import LeanClient
+from bench.chaos_load import LeanClient
 from dstack.runtime.dispatch import RefusalReason
 from dstack.runtime.serving import refusal_error
 from tests.integration.test_early_refusal import VALID, _serving
