@@ -146,6 +146,11 @@ def summary(results: dict[str, Any]) -> str:
                 f"{other:12d}"
                 f"  {per_model}")
         lines += ratios(goodput, results.get("capacity_rps"))
+        reach = results.get("capacity_by_clients_rps", {}).get(str(clients))
+        if reach and "dstack" in goodput:
+            lines.append(f"dstack / in-process capacity within SLO in batches of at most "
+                         f"{clients}, all {clients} clients can fill ({reach:.1f} rps): "
+                         f"{goodput['dstack'] / reach:.2f}")
     return "\n".join(lines)
 
 
@@ -229,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         results["capacity_rps"] = sum(cap.values())
         print("in-process capacity within SLO, one core each (items/s): "
               + ", ".join(f"{m} {c:.1f}" for m, c in cap.items()), flush=True)
+        # c closed-loop clients of a model never have more than c requests out: batches
+        # of at most c, whatever the server does
+        results["capacity_by_clients_rps"] = {
+            str(c): sum(one_core_capacity(slos, max_batch=c).values())
+            for c in args.clients if c < 8}
     failed = False
     for clients in args.clients:
         runs = results["runs"][clients] = {}
