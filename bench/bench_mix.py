@@ -1,25 +1,17 @@
 """`make bench` (`python -m bench.bench_mix`): the four policies side by side on this
-machine, against the limit.
+machine, against the limit (docs/benchmarks.md says what each figure is).
 
-In one run:
-1. **In-process ceiling** per model: the model called directly in a fresh process with the
-   same cores and threads the server's workers get, at batch 1, 2, 4 and 8 (best of three
-   0.8 s bursts each); the best items/s is what no server can beat.
-2. **Two-model mix** (`configs/bench-mix-<policy>.yaml`): for each policy a real server
-   (`dstack serve` subprocess on 127.0.0.1, free port, polled on `/v2/health/ready`,
-   stopped by PID on every path) under the same open-loop Poisson load at several rates
-   (a multiple of the configured `rate_rps`, ascending): goodput within SLO, attainment,
-   p99 per rate; the **maximum sustainable rate** is the highest multiple with >= 99%
-   attainment on every model.
-3. **Single model** (`configs/bench-single-resnet18-<policy>.yaml`): 8 concurrent
-   tritonclient (aio) clients, closed loop: goodput against the ceiling at the best batch,
-   in windows alternating with the ceiling's own (over all windows). The `shared` row
-   is issue 2's figure. On tiny_cnn (`shared`) the same gives the **server overhead** per
-   request next to the ceiling.
-4. **Peak RSS** of each server and its workers (the kernel's high-water mark, VmHWM).
+1. **In-process ceiling** per model: the model called directly with the cores and threads a
+   worker gets, at batch 1, 2, 4 and 8 (best of three 0.8 s bursts each).
+2. **Two-model mix** (`configs/bench-mix-<policy>.yaml`): each policy's server under the
+   same open-loop Poisson load at `--scales` of the configured `rate_rps`: goodput within
+   SLO, attainment, p99; the **maximum sustainable rate** (>= 99% on every model).
+3. **Single model** (`configs/bench-single-resnet18-<policy>.yaml`): 8 tritonclient clients
+   in closed loop, in windows alternating with the ceiling's own; on tiny_cnn the same
+   gives the **server overhead** per request.
+4. **Peak RSS** of each server and its workers (VmHWM).
 
-Output: a table on stdout, `docs/benchmarks.png` (goodput vs offered load per policy),
-and `out/bench/bench.json` with every number.
+Output: a table, `docs/benchmarks.png` and `out/bench/bench.json`.
 """
 
 from __future__ import annotations
@@ -28,17 +20,130 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.ceiling import InProcess, contenders, figure
-from bench.loads import open_loop, p99
-from bench.servers import ROOT, peak_rss_mb, rates_slos, serving
-from bench.single import bench_single
+import numpy as np
+
+from bench.loads import TritonClients, open_loop, p99
+from bench.servers import (
+    ROOT,
+    Server,
+    cpu_s,
+    model_stats,
+    models_of,
+    peak_rss_mb,
+    rates_slos,
+    serving,
+)
 
 POLICIES = ("temporal", "shared", "spatial", "dstack")
+
+# ------------------------------------------------------------------ the in-process ceiling
+
+_CEILING_CHILD = r"""
+from dstack.common.heap import keep_heap
+keep_heap()  # allocate as the server's workers do
+import json, os, sys, time, torch, models
+cores = json.loads(sys.argv[2])
+os.sched_setaffinity(0, set(cores)); torch.set_num_threads(len(cores))
+m = models.load_model(sys.argv[1]); spec = models.spec(sys.argv[1])
+shape = spec.inputs[0].shape[1:]
+print("ready", flush=True)
+with torch.inference_mode():
+    for line in sys.stdin:
+        b, seconds, warmup = int(line.split()[0]), float(line.split()[1]), float(line.split()[2])
+        x = torch.rand(b, *shape)
+        t0 = time.perf_counter()
+        m(x)
+        while time.perf_counter() - t0 < warmup: m(x)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            m(x); n += b
+        print(n / (time.perf_counter() - t0), flush=True)
+"""
+
+
+class InProcess:
+    """The model called directly in a child process pinned to `cores`, as many torch
+    threads as a worker gets; `items_s` measures on demand, beside each server window."""
+
+    def __init__(self, model: str, cores: list[int]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CEILING_CHILD, model, json.dumps(cores)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError(f"in-process child for {model} failed to start")
+
+    def items_s(self, batch: int, seconds: float, warmup_s: float = 0.25) -> float:
+        """Items/s at `batch` over `seconds`, after one batch and `warmup_s` not counted."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{batch} {seconds} {warmup_s}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def __enter__(self) -> InProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def ceiling_ratio(goodput: list[float], ceiling: list[float], batch: list[int], *,
+                  resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The single-model figure: round i measured the server's goodput `goodput[i]` and,
+    beside it, the in-process items/s `ceiling[i]` at batch `batch[i]`. The ceiling is the
+    best batch size's mean, the ratio the mean goodput over it, `ci95` a bootstrap over the
+    rounds (the best batch re-chosen in each resample)."""
+    g, c, b = np.asarray(goodput, float), np.asarray(ceiling, float), np.asarray(batch)
+    if not (len(g) == len(c) == len(b)) or not len(g):
+        raise ValueError("goodput, ceiling and batch need one entry per round")
+    sizes = sorted(set(b.tolist()))
+
+    def best(idx: np.ndarray) -> tuple[int, float]:
+        means = {s: c[idx][b[idx] == s].mean() for s in sizes if (b[idx] == s).any()}
+        top = max(means, key=means.__getitem__)
+        return top, float(means[top])
+
+    all_rounds = np.arange(len(g))
+    top, ceil = best(all_rounds)
+    rng = np.random.default_rng(seed)
+    ratios = []
+    for _ in range(resamples):
+        idx = rng.integers(0, len(g), len(g))
+        ratios.append(g[idx].mean() / best(idx)[1])
+    return {"per_batch": {int(s): float(c[b == s].mean()) for s in sizes},
+            "best_batch": int(top), "ceiling_items_s": ceil,
+            "ratio_to_ceiling": float(g.mean() / ceil),
+            "ci95": [float(q) for q in np.percentile(ratios, [2.5, 97.5])]}
+
+
+def contenders(ceil: dict[str, Any]) -> list[int]:
+    """The batch sizes worth measuring beside the server: within 20% of the best in the
+    opening bursts (a window's noise here is ~8%)."""
+    per_b = ceil["per_batch"]
+    return [b for b, v in per_b.items() if v >= 0.8 * ceil["items_s"]]
+
+
+def figure(s: dict[str, Any]) -> str:
+    """One line for a `ceiling_ratio` result: the ratio, its interval, the ceiling."""
+    lo, hi = s["ci95"]
+    per_b = ", ".join(f"b{b} {v:.1f}" for b, v in s["per_batch"].items())
+    return (f"{100 * s['ratio_to_ceiling']:5.1f}% of the ceiling beside it (95% CI "
+            f"{100 * lo:.1f}-{100 * hi:.1f}%; in process: {per_b} items/s)")
+
+
+# ------------------------------------------------------------------ the servers
 
 
 def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) -> dict[str, Any]:
@@ -72,6 +177,64 @@ def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) ->
                       default=0.0)
     return {"points": points, "max_sustainable_rps": sustainable, "rss_mb": rss,
             "seconds": seconds}
+
+
+def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
+                 batches: list[int], clients: int = 8, rounds: int = 36,
+                 window_s: float = 1.0, warmup_s: float = 0.25) -> dict[str, Any]:
+    """`clients` tritonclient clients against the server, in `rounds` windows that
+    alternate with in-process windows (the server idle) whose batch size goes round
+    `batches`: the machine's speed drifts by more than the gap being measured."""
+    slo = float(models_of(config)[0]["slo_ms"])
+
+    async def measure(srv: Server, direct: InProcess) -> list[dict[str, float]]:
+        pids = (srv.pid, os.getpid())  # the server, these clients
+        tc = TritonClients(srv.host, model, clients)
+        try:
+            await tc.window(1.0, slo)  # connect and warm the HTTP path and the worker
+            out = []
+            for i in range(rounds):
+                b = batches[i % len(batches)]
+                ceil = direct.items_s(b, window_s, warmup_s)  # blocks; clients idle
+                # Where the time goes, over the whole server window (warm-up included):
+                # the worker's busy share (its batches' compute time from the stats) and
+                # the CPU the server and the clients spend per answered request.
+                s0, (c0, m0), t0 = model_stats(srv.host, model), [*map(cpu_s, pids)], time.time()
+                rps, good, p99, refused = await tc.window(window_s, slo, warmup_s)
+                s1, (c1, m1), t1 = model_stats(srv.host, model), [*map(cpu_s, pids)], time.time()
+                n = max(1, s1["inference_count"] - s0["inference_count"])
+                out.append({"batch": b, "ceiling_items_s": ceil, "rps": rps,
+                            "goodput_rps": good, "p99_ms": p99, "refused": refused,
+                            "worker_busy": (s1["compute_ns"] - s0["compute_ns"]) / 1e9 / (t1 - t0),
+                            "avg_batch": n / max(1, s1["execution_count"] - s0["execution_count"]),
+                            "server_cpu_ms": 1000 * (c1 - c0) / n,
+                            "client_cpu_ms": 1000 * (m1 - m0) / n})
+            return out
+        finally:
+            await tc.close()
+
+    with serving(config, outdir / f"server-{config.stem}.log") as srv, \
+            InProcess(model, cores) as direct:
+        per_round = asyncio.run(measure(srv, direct))
+        rss = peak_rss_mb(srv)
+
+    def mean(key: str) -> float:
+        return float(np.mean([r[key] for r in per_round]))
+
+    def col(key: str) -> list[float]:
+        return [r[key] for r in per_round]
+
+    fig = ceiling_ratio(col("goodput_rps"), col("ceiling_items_s"), col("batch"))
+    return {"rps": mean("rps"), "goodput_rps": mean("goodput_rps"),
+            # a window that answered nothing (a slowed machine) counts as zero goodput
+            "p99_ms": float(np.nanmedian(col("p99_ms"))), **fig,
+            "refused": int(sum(col("refused"))),
+            "windows_answering_nothing": sum(r["rps"] == 0 for r in per_round),
+            "rps_ratio_to_ceiling": mean("rps") / fig["ceiling_items_s"],
+            **{k: mean(k) for k in ("worker_busy", "avg_batch", "server_cpu_ms",
+                                    "client_cpu_ms")},
+            "rounds": per_round, "window_s": window_s, "warmup_s": warmup_s,
+            "rss_mb": rss}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -163,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {outdir / 'bench.json'} and {args.plot}; "
           f"{results['elapsed_s']:.0f} s; load average at end {results['load_average_end']}")
     return 0
-
 
 
 def report(r: dict[str, Any]) -> str:

@@ -1,15 +1,13 @@
 """Benchmark: dstack against Triton on issue 2's single-model figure, side by side.
 
 resnet18 served by dstack (`configs/bench-single-resnet18-shared.yaml`) and by Triton
-(`bench/pytriton_serve.py`: PyTriton's Triton server, same batching settings, the model
-in a Python process), each under 8 tritonclient aio clients in closed loop, in 1 s windows
-alternating in random order with 1 s windows of the model in process at b2, b4, b8 in turn
-(`make bench`'s method, `bench.ceiling.ceiling_ratio`). Prints each server's goodput
-against the in-process ceiling and dstack / Triton per round. PyTriton is not a dependency
-of dstack; it lives in a virtual environment of its own, `.venv-triton`, which
-`make bench-triton` makes (nvidia-pytriton 0.7.0, torch, torchvision and
-`bench/pytriton_sitecustomize.py`) before it runs `bench.bench_closed_loop` and
-`bench.bench_protocols` with `--triton-python`; `triton_serving` here starts Triton for them.
+(`bench/pytriton_serve.py`: PyTriton, same batching settings), each under 8 tritonclient
+aio clients in closed loop, in 1 s windows alternating in random order with 1 s windows of
+the model in process at b2, b4, b8 in turn (`bench.bench_mix.ceiling_ratio`). Prints each
+server's goodput against the in-process ceiling and dstack / Triton per round. PyTriton
+lives in its own venv, `.venv-triton`, which `make bench-triton` makes before it runs
+`bench.bench_closed_loop` and `bench.bench_protocols` with `--triton-python`;
+`triton_serving` here starts Triton for them.
 
     .venv/bin/python bench/bench_triton.py --python .venv-triton/bin/python [--rounds 30]
 """
@@ -23,8 +21,6 @@ import os
 import random
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,9 +30,9 @@ import numpy as np
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repository root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.ceiling import InProcess, ceiling_ratio, figure  # noqa: E402
+from bench.bench_mix import InProcess, ceiling_ratio, figure  # noqa: E402
 from bench.loads import TritonClients  # noqa: E402
-from bench.servers import ROOT, free_port, interrupt, models_of, serving  # noqa: E402
+from bench.servers import ROOT, free_port, interrupt, models_of, serving, wait_ready  # noqa: E402
 
 SLO_MS = 3000.0
 
@@ -59,17 +55,8 @@ def triton_serving(python: str, config: Path, log: Path, timeout_s: float = 180
                              json.dumps(entries)], stdout=log.open("w"), stderr=subprocess.STDOUT)
     host = f"http://127.0.0.1:{ports[0]}"
     try:
-        deadline = time.monotonic() + timeout_s
-        pending = [m["name"] for m in entries]
-        while pending:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"PyTriton not ready in {timeout_s:g} s "
-                                   f"(exit code {proc.poll()}); see {log}")
-            try:
-                urllib.request.urlopen(f"{host}/v2/models/{pending[0]}/ready", timeout=2).close()
-                pending.pop(0)
-            except OSError:
-                time.sleep(0.5)
+        wait_ready(proc, [f"{host}/v2/models/{m['name']}/ready" for m in entries], log,
+                   timeout_s, "PyTriton")
         yield TritonServer(host, f"127.0.0.1:{ports[1]}", proc.pid)
     finally:
         interrupt(proc, 30)  # PyTriton stops its tritonserver child

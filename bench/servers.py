@@ -1,6 +1,6 @@
-"""A real `dstack serve` for a benchmark: a subprocess on a free 127.0.0.1 port, polled on
-`/v2/health/ready`, stopped by its PID on every path (SIGINT, then kill); its configs, its
-/metrics and statistics, and what its processes use (/proc)."""
+"""A real `dstack serve` for a benchmark: a subprocess on a free 127.0.0.1 port, polled until
+ready, stopped by its PID on every path (SIGINT, then kill); its configs, its statistics,
+and what its processes use (/proc)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180, *,
             [*DSTACK_CMD, *command, "--config", str(config), "--host", "127.0.0.1",
              "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        wait_ready(proc, host, log, ready_timeout_s, " ".join(command))
+        wait_ready(proc, [host + "/v2/health/ready"], log, ready_timeout_s, " ".join(command))
         srv = Server(host, proc.pid, log)
         for m, pid in re.findall(r"worker (\S+) ready (?:in \S+ s )?\(pid (\d+)", log.read_text()):
             srv.worker_pids[m] = int(pid)
@@ -74,19 +74,20 @@ def serving(config: Path, log: Path, ready_timeout_s: float = 180, *,
         interrupt(proc, grace_s)
 
 
-def wait_ready(proc: subprocess.Popen[Any], host: str, log: Path, timeout_s: float,
+def wait_ready(proc: subprocess.Popen[Any], urls: list[str], log: Path, timeout_s: float,
                what: str = "server") -> None:
-    """Poll `host`'s readiness endpoint until it answers; raise with the log's tail if the
+    """Poll each of `urls` in turn until it answers; raise with the log's tail if the
     process exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    pending = list(urls)
+    while pending:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready in {timeout_s:g} s")
+            raise RuntimeError(f"{what} not ready in {timeout_s:g} s; see {log}")
         try:
-            with urllib.request.urlopen(host + "/v2/health/ready", timeout=2):
-                return
+            urllib.request.urlopen(pending[0], timeout=2).close()
+            pending.pop(0)
         except OSError:
             time.sleep(0.3)
 
@@ -111,7 +112,16 @@ def model_ready(host: str, model: str) -> bool:
         return False
 
 
-# ------------------------------------------------------------------ configs
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def model_stats(host: str, model: str) -> dict[str, int]:
+    """The server's counters for `model` (Triton's statistics extension)."""
+    s = get_json(f"{host}/v2/models/{model}/stats")["model_stats"][0]
+    return {"inference_count": s["inference_count"], "execution_count": s["execution_count"],
+            "compute_ns": s["inference_stats"]["compute_infer"]["ns"]}
 
 
 def models_of(config: Path) -> list[dict[str, Any]]:
@@ -147,8 +157,7 @@ def front_ends(pid: int) -> list[int]:
 
 
 def rss_mb(pid: int, key: str = "VmRSS:") -> float:
-    """RSS or, with key="VmHWM:", peak RSS (the kernel's high-water mark) of a process in
-    MB; NaN if it is gone (or not Linux)."""
+    """RSS or, with key="VmHWM:", peak RSS of a process in MB; NaN if it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -160,9 +169,8 @@ def rss_mb(pid: int, key: str = "VmRSS:") -> float:
 
 
 def peak_rss_mb(srv: Server) -> dict[str, float]:
-    """Peak RSS (MB) of the server and each worker since they started, read once while they
-    still run. (Sampling the process tree on a thread instead cost the measuring process
-    ~0.2 ms of CPU per request, on the very cores being measured.)"""
+    """Peak RSS (MB) of the server and each worker since they started, read once while
+    they still run (sampling it on a thread cost ~0.2 ms of CPU per request)."""
     return {"server": rss_mb(srv.pid, "VmHWM:"),
             **{f"worker {m}": rss_mb(pid, "VmHWM:") for m, pid in srv.worker_pids.items()}}
 
@@ -196,15 +204,3 @@ def open_sockets(pid: int) -> int:
         except OSError:
             pass  # closed while listed
     return n
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def model_stats(host: str, model: str) -> dict[str, int]:
-    """The server's counters for `model` (Triton's statistics extension)."""
-    s = get_json(f"{host}/v2/models/{model}/stats")["model_stats"][0]
-    return {"inference_count": s["inference_count"], "execution_count": s["execution_count"],
-            "compute_ns": s["inference_stats"]["compute_infer"]["ns"]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.ceiling import ceiling_ratio
+from bench.bench_mix import ceiling_ratio
 
 
 def test_the_ceiling_is_the_best_batch_sizes_mean_over_its_own_windows() -> None:
