@@ -1,27 +1,15 @@
 """`make bench-bursty` (`python -m bench.bench_bursty`): the real CPU server replays bursty
 arrivals under every policy, the simulator's prediction beside each (issue 64).
 
-For each policy and each `--scales` multiple of the mix's rates: a fresh real server
-(`configs/bench-mix-<policy>.yaml`, the two-model CPU mix, fitted to this machine by
-`bench.fitted`; re-planning as the config has it; a `dstack serve` subprocess on a free
-127.0.0.1 port, stopped by PID on every path) gets the arrivals of
-`dstack.simulate.generate(--workload, rates x scale, --duration, --seed)`, one one-item
-binary infer request per arrival, sent open loop at its instant (at most 512 in flight,
-at most `--max-requests` in all). The same arrivals, the same fitted config and seed at
-every policy, are simulated (`dstack.simulate.simulate`, re-planning included) with the
-profiles the server plans with, `profiles/cpu`, their latencies scaled by the machine
-factor the SLOs and rates were fitted with (the output names them; where a server's
-warm-up corrected its profiles further, its log line is kept beside the point).
-
-The server is given the config's rates (x1) at every scale, as `make bench` does: at x2 it
-sees twice the load it was planned for.
-
-Printed: per policy and scale, goodput within SLO (answers within the model's SLO per
-second of the run), refused and late, real and simulated, and the simulator's error; then
-dstack / shared and dstack / spatial, real and simulated, against the issue's targets
-(>= 1.0x shared, >= 1.1x spatial, the simulator within 10% of each point), each marked met
-or MISSED. Every number in `out/bench/bench_bursty.json`. Exit status 0 whatever the
-figures (1 only when a server could not be started).
+For each policy and `--scales` multiple of the mix's rates: a fresh server of
+`configs/bench-mix-<policy>.yaml` fitted to this machine (`bench.fitted`; planned for x1
+at every scale) gets the arrivals of `dstack.simulate.generate(--workload, rates x scale,
+--duration, --seed)`, one one-item request each, sent open loop at its instant (at most 512
+in flight, `--max-requests` in all); the same arrivals are simulated with `profiles/cpu`
+scaled by the machine factor. Printed: per policy and scale, goodput within SLO, refused
+and late, real and simulated, the simulator's error, and dstack / shared and dstack /
+spatial against the targets (>= 1.0x, >= 1.1x, the simulator within 10%), met or MISSED.
+Every number in `out/bench/bench_bursty.json`; exit status 1 only when a server failed.
 """
 
 from __future__ import annotations
@@ -40,7 +28,7 @@ from typing import Any
 from bench.fitted import fitted_config
 from bench.loads import Outcome, p99, send_at
 from bench.servers import ROOT, rates_slos, serving
-from dstack.common.config import DeployConfig, load_config
+from dstack.common.config import load_config
 from dstack.common.types import scaled
 from dstack.policies.planning import served_profiles
 from dstack.simulate import Arrivals, WorkloadError, generate, simulate
@@ -75,7 +63,6 @@ def sends(arrivals: Arrivals) -> list[tuple[float, str]]:
 @dataclass(frozen=True, slots=True)
 class Mix:
     """One policy's fitted config: its path, the SLOs (ms) and rates (rps) it gives."""
-
     config: Path
     slos_ms: dict[str, float]
     rates_rps: dict[str, float]
@@ -110,14 +97,11 @@ def run_real(policy: str, mix: Mix, arrivals: Arrivals, duration_s: float, log: 
             "profile_correction": corrected[0] if corrected else None}
 
 
-def sim_profiles(cfg: DeployConfig, factor: float) -> dict[str, Any]:
-    """The server's profiles (the config's directory) with latencies times `factor`."""
-    return {m: scaled(p, factor) for m, p in served_profiles(cfg).items()}
-
-
 def run_sim(policy: str, mix: Mix, arrivals: Arrivals, duration_s: float) -> dict[str, Any]:
+    """The same arrivals simulated, the server's profiles' latencies times the factor."""
     cfg = load_config(mix.config)
-    sim = simulate(cfg, sim_profiles(cfg, mix.factor), arrivals, [cfg.policy], duration_s)
+    profiles = {m: scaled(p, mix.factor) for m, p in served_profiles(cfg).items()}
+    sim = simulate(cfg, profiles, arrivals, [cfg.policy], duration_s)
     rep = sim.reports[0]
     if rep.error:
         return {"error": rep.error}
@@ -145,7 +129,6 @@ def sim_error(point: dict[str, Any]) -> float | None:
 @dataclass(frozen=True, slots=True)
 class Check:
     """One target at one scale: what, the figure (None: not measured), met or not."""
-
     scale: float
     what: str
     value: float | None
@@ -182,9 +165,7 @@ def checks(points: list[dict[str, Any]]) -> list[Check]:
 
 
 def _cell(side: dict[str, Any] | None, key: str, fmt: str) -> str:
-    if not side or key not in side:
-        return "-"
-    return format(side[key], fmt)
+    return format(side[key], fmt) if side and key in side else "-"
 
 
 def report(results: dict[str, Any]) -> str:

@@ -1,15 +1,13 @@
 """Fleets in the simulator: dstack placement + lane plans against the way Ray Serve users
-serve many models today, and the devices `dstack cluster plan --nodes auto` needs.
+serve many models today, and the devices `dstack cluster plan --nodes auto` needs
+(docs/cluster.md says what each baseline is).
 
     .venv/bin/python -m bench.bench_cluster [--models 50] [--nodes 8] [--seed 1]
-        [--duration 20] [--load 0.7] [--scale-models 200 --scale-nodes 64]
     .venv/bin/python -m bench.bench_cluster --real [--real-seconds 12] [--target 0.99]
 
-Without --real every figure is predicted or simulated (virtual clock, latencies from the
-H100 profiles in profiles/nvidia-h100-80gb-hbm3): see docs/cluster.md for what each baseline
-is. --real measures: `dstack cluster serve` (a local Ray on loopback) with two one-core CPU
-nodes, then with one, on a 4-model CPU mix, open-loop Poisson load over HTTP; the highest
-rate at which every model keeps >= 99% of its requests within its SLO, and the ratio.
+--real measures `dstack cluster serve` (a local Ray) with two one-core CPU nodes, then one,
+on a 4-model CPU mix: the highest open-loop rate at which every model keeps >= 99% of its
+requests within its SLO, and the ratio.
 """
 
 from __future__ import annotations
@@ -37,10 +35,9 @@ H100_MEMORY_MB = 81559.0
 def random_cluster(n_models: int, n_nodes: int, seed: int, *, load: float = 0.7,
                    profiles: Path = H100, memory_mb: float = H100_MEMORY_MB,
                    slo_factor: tuple[float, float] = (4.0, 20.0)) -> ClusterConfig:
-    """`n_models` models drawn from `profiles` (names repeat as `zoo-i`), each with an SLO
-    of f x its batch-1 latency on the whole device (f uniform in `slo_factor`) and a rate
-    such that the fleet's load (sum of rate x cheapest device-seconds a request) is `load`
-    x `n_nodes` devices, split by a flat Dirichlet; `n_nodes` identical nodes."""
+    """`n_models` models drawn from `profiles`, SLOs f x their batch-1 latency on the whole
+    device (f uniform in `slo_factor`), rates making the fleet's load (sum of rate x
+    cheapest device-seconds a request) `load` x `n_nodes`, split by a flat Dirichlet."""
     rng = np.random.default_rng(seed)
     profs = load_profiles(profiles)
     zoo = sorted(profs)
@@ -64,15 +61,13 @@ def random_cluster(n_models: int, n_nodes: int, seed: int, *, load: float = 0.7,
     }, source=f"random cluster (seed {seed})")
 
 
-#: The real benchmark's 4-model CPU mix (profiles/cpu): (name, zoo model, SLO ms, rate at
-#: scale 1). resnet18 twice, with two SLOs.
+#: The real benchmark's CPU mix (profiles/cpu): (name, zoo model, SLO ms, rate at scale 1).
 REAL_MIX = (("tiny_cnn", "tiny_cnn", 300, 20.0), ("mobilenet", "mobilenet_v3_small", 400, 10.0),
             ("resnet18", "resnet18", 600, 4.0), ("resnet18_slow", "resnet18", 1200, 2.0))
 
 
 def real_config(n_nodes: int, plan_scale: float) -> dict[str, Any]:
-    """`n_nodes` one-core CPU nodes (cores 0, 1, ...) serving `REAL_MIX` planned at
-    `plan_scale` x its rates; the placement stays as started (the nodes adapt)."""
+    """`n_nodes` one-core CPU nodes serving `REAL_MIX` planned at `plan_scale` x its rates."""
     cpu = ROOT / "profiles" / "cpu"
     return {
         "policy": "dstack",
@@ -84,15 +79,10 @@ def real_config(n_nodes: int, plan_scale: float) -> dict[str, Any]:
     }
 
 
-def attainment(out: dict[str, Any]) -> dict[str, float]:
-    """Per model: answered within the SLO / sent (refusals and errors are misses)."""
-    return {m: (o.ok / o.sent if o.sent else 0.0) for m, o in out.items()}
-
-
 def highest_scale(host: str, seconds: float, start: float, target: float, log: list[str]
                   ) -> float:
-    """The highest scale of `REAL_MIX`'s rates at which every model meets `target`
-    attainment: up by x1.4 from `start` until one misses, then two bisections."""
+    """The highest scale of `REAL_MIX`'s rates at which every model meets `target`: up by
+    x1.4 from `start` until one misses, then a bisection."""
     from bench.loads import open_loop, p99
 
     slos = {n: float(slo) for n, _, slo, _ in REAL_MIX}
@@ -100,7 +90,7 @@ def highest_scale(host: str, seconds: float, start: float, target: float, log: l
     def ok(scale: float) -> bool:
         rates = {n: r * scale for n, _, _, r in REAL_MIX}
         out = asyncio.run(open_loop(host, rates, slos, seconds, seed=int(scale * 1000)))
-        att = attainment(out)
+        att = {m: (o.ok / o.sent if o.sent else 0.0) for m, o in out.items()}  # misses too
         good = all(a >= target for a in att.values())
         line = (f"  scale {scale:6.2f} ({sum(rates.values()):6.1f} rps): " + ", ".join(
             f"{m} {att[m] * 100:5.1f}% ({o.late} late, {o.refused} refused, {o.error} err, "

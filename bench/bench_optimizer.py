@@ -1,22 +1,13 @@
-"""The `dstack` lane planner: its speed, and its MILP against the greedy merge search
-(a benchmark, not a test).
+"""The `dstack` lane planner: its speed, and its MILP against the greedy merge search.
 
     .venv/bin/python -m bench.bench_optimizer [--seeds 3] [--sizes 10 50] [--repeat 3]
         [--compare 7 20]
 
-Mixes come from the policy suite's generator (`bench.bench_policies.draw_mix`: models
-drawn from a profile directory with their aliases, SLOs 2-15x the batch-1 latency, a load
-of 0.3-1.5 of the device split among them) with the number of models fixed.
-
-1. Plan time: `plan_lanes` (what `dstack plan`, the server and the simulator run: instance,
-   MILP, the baselines' assignments, the plan) on H100 mixes of each `--sizes`, each mix
-   planned `--repeat` times (its median), with how its search ended (optimal, or CBC's
-   gap to its bound).
-2. MILP against greedy: on mixes of 7-20 models (one per device and size), the predicted
-   goodput G of the greedy plan (`Lanes.greedy`, the search before the MILP) and of the
-   MILP's plan (`lane_milp.search`), both placing every model; which is higher, by how
-   much, and the MILP's status; up to 8 models also the optimum (the MILP over every
-   subset at every width).
+Mixes from the policy suite's generator (`bench.bench_policies.draw_mix`), the number of
+models fixed. 1. Plan time of `plan_lanes` on H100 mixes of each `--sizes` (median of
+`--repeat`), with how its search ended. 2. On mixes of 7-20 models (one per device and
+size), the predicted goodput G of the greedy plan and of the MILP's, every model placed;
+up to 8 models also the optimum (the MILP over every subset at every width).
 """
 
 from __future__ import annotations

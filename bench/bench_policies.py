@@ -1,30 +1,14 @@
 """The policy suite: a seeded set of random mixes, every policy in the simulator, and how
-the `dstack` policy compares with the baselines and with the ideal bound.
+the `dstack` policy compares with the baselines and with the ideal bound (docs/simulator.md,
+"The policy suite", says what a mix draws: a device, 2-6 models, SLOs, a load split among
+them, and the shape of the arrivals).
 
-Each mix draws (docs/simulator.md, "The policy suite"):
-
-- a device: profiles/nvidia-h100-80gb-hbm3, profiles/reference-v100 or profiles/cpu, in
-  turn (a third each; the order of the three is drawn from the seed);
-- 2-6 models from that directory (distinct ones first, then aliases of them: `zoo_name`);
-- per model: max batch 8, 16 or 32, and an SLO of f x its batch-1 latency on the whole
-  device (the largest profiled percentage), f uniform in [2, 15];
-- a load, uniform in [0.3, 1.5] of the device, split among the models by a flat Dirichlet:
-  model m's mean rate is share_m x load / c_m, where c_m is its cheapest device-seconds per
-  request that can meet its SLO (`dstack.simulate.ideal.cost_per_request_s`), so that
-  load = sum_m rate_m x c_m; each model's `rate_rps` is that mean rate;
-- arrivals: Poisson for about half the mixes; the others a burst of every model, a burst of
-  one model, or a ramp up or down, scaled so that the mean rate is still rate_m.
-
-Every mix runs every policy (temporal, shared, spatial, dstack) on the same arrivals, and
-then again under bursty arrivals (`--bursty`, default the `bursty:compress=10` generator of
-`dstack.simulate.workload`: heavy-tailed on/off per model, the statistics of a bursty
-production trace; its rows are the mix's id with a `b`). A policy that cannot start (or
-crashes) counts as goodput 0. Then configs/reference-v100.yaml (its own rates, Poisson) and
-a summary against the targets of the dstack policy, for each kind of arrivals. Results also
-go to out/bench/bench_policies.json. The exit code is 0 whatever the figures.
+Every mix runs every policy on the same arrivals, then again under `--bursty` arrivals (rows
+with a `b`); a policy that cannot start or crashes counts as goodput 0. Then
+configs/reference-v100.yaml and a summary against the targets. Results also go to
+out/bench/bench_policies.json. The exit code is 0 whatever the figures.
 
     .venv/bin/python -m bench.bench_policies [--mixes 40] [--seed 1] [--duration 60] [--jobs 2]
-    .venv/bin/python -m bench.bench_policies --bursty replay:TRACE.csv:compress=10
     .venv/bin/python -m bench.bench_policies --config configs/reference-v100.yaml
 """
 
@@ -244,19 +228,16 @@ def config_mix(path: str | Path, seed: int, duration_s: float, max_requests: int
                duration_for(total, duration_s, max_requests), seed, str(path))
 
 
-def _failed_policy(detail: dict[str, dict[str, float]], pol: str) -> None:
-    detail[pol] = {"goodput_rps": 0.0, "slo_attainment_pct": 0.0, "refused": 0, "late": 0,
-                   "utilisation_pct": 0.0}
+#: The detail of a policy that could not run.
+FAILED = {"goodput_rps": 0.0, "slo_attainment_pct": 0.0, "refused": 0, "late": 0,
+          "utilisation_pct": 0.0}
 
 
 def run_mix(mix: Mix, policies: tuple[str, ...] = POLICIES) -> MixResult:
     """Every policy on the mix's arrivals. A policy that cannot start or raises gets goodput
     0 and its reason in `errors`."""
     t0 = time.perf_counter()
-    if mix.config_file:
-        cfg = load_config(mix.config_file)
-    else:
-        cfg = mix_config(mix)
+    cfg = load_config(mix.config_file) if mix.config_file else mix_config(mix)
     profiles = served_profiles(cfg, check_device=False)
     arrivals = generate(mix.workload, {m.name: m.base_rate_rps for m in mix.models},
                         mix.duration_s, mix.seed)
@@ -270,15 +251,13 @@ def run_mix(mix: Mix, policies: tuple[str, ...] = POLICIES) -> MixResult:
         except Exception as e:  # a policy being rewritten may crash: count it, go on
             errors[pol] = f"crashed: {type(e).__name__}: {e}"
             traceback.print_exc(file=sys.stderr)
-            goodput[pol] = 0.0
-            _failed_policy(detail, pol)
+            goodput[pol], detail[pol] = 0.0, dict(FAILED)
             continue
         ideal = sim.ideal_rps
         r = sim.reports[0]
         goodput[pol] = r.goodput_rps
         if r.error:
-            errors[pol] = r.error
-            _failed_policy(detail, pol)
+            errors[pol], detail[pol] = r.error, dict(FAILED)
         else:
             detail[pol] = {"goodput_rps": r.goodput_rps,
                            "slo_attainment_pct": r.slo_attainment_pct,
@@ -325,6 +304,10 @@ def served_nothing(r: MixResult) -> bool:
     """dstack served nothing while some baseline served something."""
     return r.goodput_rps.get("dstack", 0.0) <= 0 and any(
         r.goodput_rps.get(p, 0.0) > 0 for p in BASELINES)
+
+
+def mark(met: bool) -> str:
+    return "[met]   " if met else "[MISSED]"
 
 
 def summarise(results: list[MixResult], reference: MixResult | None,
@@ -378,9 +361,6 @@ def summarise(results: list[MixResult], reference: MixResult | None,
                      f"dstack/best baseline {ref_best:.3f} ({reference.best_baseline})")
     lines.append(f"  wall time: {wall_s:.1f} s")
 
-    def mark(met: bool) -> str:
-        return "[met]   " if met else "[MISSED]"
-
     lines.append("targets:")
     lines.append(f"  {mark(every)} dstack >= {TARGET_VS_BEST}x best baseline on every mix: "
                  f"{len(ok)}/{n}" + (f", reference {ref_best:.3f}" if reference else ""))
@@ -415,9 +395,9 @@ def summarise_bursty(results: list[MixResult]) -> tuple[dict[str, Any], list[str
              "  median goodput/ideal: " + ", ".join(f"{p} {med[p]:.3f}" for p in
                                                      ("dstack",) + BASELINES),
              "targets (bursty):",
-             f"  {'[met]   ' if len(ok) == n else '[MISSED]'} dstack >= {TARGET_VS_BEST}x best "
+             f"  {mark(len(ok) == n)} dstack >= {TARGET_VS_BEST}x best "
              f"baseline on every mix: {len(ok)}/{n}",
-             f"  {'[met]   ' if med['dstack'] >= TARGET_BURSTY_MEDIAN_IDEAL else '[MISSED]'} "
+             f"  {mark(med['dstack'] >= TARGET_BURSTY_MEDIAN_IDEAL)} "
              f"median dstack/ideal >= {TARGET_BURSTY_MEDIAN_IDEAL:.2f}: {med['dstack']:.3f}"]
     fig = {"workload": spec, "mixes": n, "dstack_ge_target_vs_best": len(ok),
            "worst_vs_best": worst.vs_best, "worst_mix": worst.mix.id,

@@ -1,24 +1,12 @@
 """`make bench-priority` (`python -m bench.bench_priority`): a low-priority model flooding
-beside planned ones (issue 18, FIKIT).
-
-Three runs on the same arrivals of the planned models, side by side:
-
-- **alone**: the planned (`normal`) models under `dstack`, nothing else;
-- **dstack + low flood**: the same, plus a `priority: low` model sent at `--flood` times the
-  rate its best configuration could serve on the whole device;
-- **shared + flood**: the same mix under `shared` (default sharing), where the flood
-  competes with everyone.
-
-Printed per run: each planned model's SLO attainment, the low model's answered rps within
-its SLO, and (simulator) the device-seconds the low model used against those left idle by
-the planned models alone. Targets: the planned models' attainment within 1 point of
-alone; the low model uses >= 70% of that idle capacity.
-
-The simulator always (reference V100 profiles: resnet50 + alexnet planned, vgg19
-flooding); with `--real` also real `dstack serve` processes on this CPU
-(mobilenet_v3_small + tiny_cnn planned, resnet18 flooding), open-loop Poisson over HTTP on
-127.0.0.1, bounded in count and time; the low model's capacity share is not measured
-there.
+beside planned ones (issue 18, FIKIT), three runs on the same arrivals of the planned
+models: **alone** (`dstack`), **dstack + low flood** (a `priority: low` model at `--flood`
+times its whole-device capacity) and **shared + flood**. Printed: the planned models' SLO
+attainment, the low model's rps within its SLO, and (simulator) the device-seconds it used
+against those the planned models left idle. Targets: attainment within 1 point of alone;
+>= 70% of the idle capacity used. The simulator always (reference V100: resnet50 + alexnet,
+vgg19 flooding); `--real` adds real servers on this CPU (mobilenet_v3_small + tiny_cnn,
+resnet18 flooding; open-loop Poisson over HTTP).
 """
 
 from __future__ import annotations
@@ -57,25 +45,29 @@ def config(device: str, profiles: str, models: list[dict[str, Any]], policy: str
     return {"device": device, "policy": policy, "profiles": profiles, "models": models}
 
 
-def flood_rate(cfg_dict: dict[str, Any], low: dict[str, Any], times: float) -> float:
-    """`times` x what the low model's cheapest configuration serves on the whole device."""
-    cfg = parse_config(config(cfg_dict["device"], cfg_dict["profiles"], [low], "dstack"))
+def runs(planned: list[dict[str, Any]], low: dict[str, Any]
+         ) -> list[tuple[str, list[dict[str, Any]], str]]:
+    """(label, models, policy) of the three runs."""
+    return [("alone", planned, "dstack"), ("dstack + low flood", [*planned, low], "dstack"),
+            ("shared + flood", [*planned, low], "shared")]
+
+
+def flood(device: str, profiles: str, low: dict[str, Any], times: float) -> dict[str, Any]:
+    """`low` at `times` x what its cheapest configuration serves on the whole device."""
+    cfg = parse_config(config(device, profiles, [low], "dstack"))
     prof = served_profiles(cfg, check_device=False)[low["name"]]
-    return times / cost_per_request_s(prof, low["slo_ms"], low["max_batch_size"])
+    cost = cost_per_request_s(prof, low["slo_ms"], low["max_batch_size"])
+    return {**low, "rate_rps": times / cost}
 
 
-def run_sim(duration_s: float, flood: float, seed: int) -> None:
+def run_sim(duration_s: float, times: float, seed: int) -> None:
     profiles = str(ROOT / "profiles" / "reference-v100")
-    base = config("cuda", profiles, SIM_PLANNED, "dstack")
-    low = {**SIM_LOW, "rate_rps": flood_rate(base, SIM_LOW, flood)}
-    rates = {m["name"]: m["rate_rps"] for m in [*SIM_PLANNED, low]}
+    low = flood("cuda", profiles, SIM_LOW, times)
     planned = [m["name"] for m in SIM_PLANNED]
     rows = []
-    for label, models, policy in (("alone", SIM_PLANNED, "dstack"),
-                                  ("dstack + low flood", [*SIM_PLANNED, low], "dstack"),
-                                  ("shared + flood", [*SIM_PLANNED, low], "shared")):
+    for label, models, policy in runs(SIM_PLANNED, low):
         # the planned models' arrivals are the same in every run (a stream per model)
-        arrivals = generate("poisson", {m["name"]: rates[m["name"]] for m in models},
+        arrivals = generate("poisson", {m["name"]: m["rate_rps"] for m in models},
                             duration_s, seed)
         cfg = parse_config(config("cuda", profiles, models, policy))
         sim = simulate(cfg, served_profiles(cfg, check_device=False), arrivals,
@@ -83,12 +75,12 @@ def run_sim(duration_s: float, flood: float, seed: int) -> None:
         rep, res = sim.reports[0], sim.results[policy]
         att = {m: 100.0 * res.counts[m].within_slo / max(1, res.counts[m].arrived)
                for m in planned}
-        low_rps = res.counts[low["name"]].within_slo / duration_s if low["name"] in \
-            res.counts else 0.0
-        rows.append((label, att, low_rps, res.busy_integral, rep.error))
+        c = res.counts.get(low["name"])
+        rows.append((label, att, c.within_slo / duration_s if c else 0.0, res.busy_integral,
+                     rep.error))
     idle = duration_s - rows[0][3]
     print(f"simulator, reference V100: planned {', '.join(planned)}; {low['name']} "
-          f"(priority low) at {low['rate_rps']:.0f} rps = {flood:g}x its whole-device "
+          f"(priority low) at {low['rate_rps']:.0f} rps = {times:g}x its whole-device "
           f"capacity; Poisson, {duration_s:g} s, seed {seed}")
     print(f"{'run':22s} " + " ".join(f"{m + ' SLO %':>16s}" for m in planned)
           + f" {'low in SLO rps':>15s} {'device-s used':>14s}")
@@ -105,29 +97,23 @@ def run_sim(duration_s: float, flood: float, seed: int) -> None:
           f"{fill[3] - alone[3]:.2f} of them = {100 * used:.0f}% (target >= 70%)")
 
 
-def run_real(duration_s: float, flood: float, seed: int) -> None:
+def run_real(duration_s: float, times: float, seed: int) -> None:
     profiles = str(ROOT / "profiles" / "cpu")
-    base = config("cpu", profiles, CPU_PLANNED, "dstack")
-    low = {**CPU_LOW, "rate_rps": flood_rate(base, CPU_LOW, flood)}
-    planned = {m["name"]: float(m["rate_rps"]) for m in CPU_PLANNED}
-    slos = {m["name"]: float(m["slo_ms"]) for m in [*CPU_PLANNED, low]}
+    low = flood("cpu", profiles, CPU_LOW, times)
+    planned = [m["name"] for m in CPU_PLANNED]
     print(f"\nreal server, this CPU: planned {', '.join(planned)}; {low['name']} (priority "
-          f"low) at {low['rate_rps']:.0f} rps = {flood:g}x its capacity; open-loop Poisson "
+          f"low) at {low['rate_rps']:.0f} rps = {times:g}x its capacity; open-loop Poisson "
           f"over HTTP, {duration_s:g} s, seed {seed}")
     print(f"{'run':22s} " + " ".join(f"{m + ' SLO %':>24s}" for m in planned)
           + f" {'low in SLO rps':>15s}")
     with tempfile.TemporaryDirectory() as tmp:
-        for label, models, policy in (("alone", CPU_PLANNED, "dstack"),
-                                      ("dstack + low flood", [*CPU_PLANNED, low], "dstack"),
-                                      ("shared + flood", [*CPU_PLANNED, low], "shared")):
+        for label, models, policy in runs(CPU_PLANNED, low):
             path = Path(tmp) / f"{policy}-{len(models)}.yaml"
             path.write_text(yaml.safe_dump(config("cpu", profiles, models, policy)))
-            rates = dict(planned)
-            if len(models) > len(CPU_PLANNED):
-                rates[low["name"]] = low["rate_rps"]
+            rates = {m["name"]: float(m["rate_rps"]) for m in models}
+            slos = {m["name"]: float(m["slo_ms"]) for m in models}
             with serving(path, Path(tmp) / f"{path.stem}.log") as srv:
-                out = asyncio.run(open_loop(srv.host, rates, {m: slos[m] for m in rates},
-                                            duration_s, seed=seed))
+                out = asyncio.run(open_loop(srv.host, rates, slos, duration_s, seed=seed))
             att = {m: 100.0 * out[m].ok / max(1, out[m].sent) for m in planned}
             low_rps = out[low["name"]].ok / duration_s if low["name"] in out else 0.0
             print(f"{label:22s} " + " ".join(f"{att[m]:24.2f}" for m in planned)

@@ -1,10 +1,6 @@
-"""Benchmark: one simulated hour of 10 models at 1,000 rps in all, per policy.
-
-Prints the wall time of each policy's event loop (target: under 30 s each on the 2-core
-dev machine) and the CPU time of its whole run (setup included), which is the number to
-compare when other work shares the machine, and the policy decisions per second. The 10
-models are the three reference V100 profiles scaled by factors (x0.5 .. x1.4), 100 rps
-each.
+"""Benchmark: one simulated hour of 10 models at 1,000 rps in all, per policy: the wall time
+of each policy's event loop, the CPU time of its whole run, the decisions per second. The
+models: the reference V100 profiles scaled x0.5-x1.4, 100 rps each.
 
     .venv/bin/python bench/bench_simulate.py [--duration 3600] [--policies dstack,...]
 """

@@ -367,8 +367,7 @@ def big_json(mb: float) -> bytes:
     many digits as make it that big, so that all of it is numbers to parse."""
     n = 8 * 3 * 224 * 224
     digits = max(1, int(mb * 1e6 / n) - 3)
-    x = np.random.default_rng(0).random(n)
-    flat = np.char.mod(f"%.{digits}f", x)
+    flat = np.char.mod(f"%.{digits}f", np.random.default_rng(0).random(n))
     head = '{"inputs":[{"name":"input","datatype":"FP32","shape":[8,3,224,224],"data":['
     return (head + ",".join(flat.tolist()) + "]}]}").encode()
 
@@ -381,72 +380,48 @@ class BigBodiesResult:
 
 
 class BigBodySender:
-    """Sends `n` concurrent POSTs of a `big_json(mb)` body to `url` from a spawned process,
-    so that the process timing other traffic holds no delay of its own from sending
-    hundreds of MB. The body is built when the child starts, the POSTs sent at `send`."""
+    """Sends `n` concurrent POSTs of a `big_json(mb)` body to `url` from a spawned process
+    (built there once), so that the process timing other traffic holds no delay of its
+    own from sending hundreds of MB; `send()` is one storm."""
 
     def __init__(self, url: str, n: int, mb: float, hang_s: float = 120.0,
                  nice: int = 0) -> None:
-        self.url, self.n, self.mb, self.hang_s, self.nice = url, n, mb, hang_s, nice
-        self.body_bytes = 0
-        self._proc: Any = None
-        self._conn: Any = None
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.url, self.n, self.hang_s = url, n, hang_s
+        self._pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"),
+                                         initializer=_big_body_init, initargs=(mb, nice))
+        self.body_bytes = self._pool.submit(_big_body_len).result(120)
 
     def __enter__(self) -> BigBodySender:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_big_body_child,
-                                 args=(self.url, self.n, self.mb, self.hang_s, self.nice,
-                                       child),
-                                 daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(120):
-            raise RuntimeError("big-body sender did not build its body in 120 s")
-        self.body_bytes = self._conn.recv()
         return self
 
     async def send(self) -> BigBodiesResult:
-        """One storm: the `n` POSTs at once; returns when all are answered (may be
-        awaited again for another)."""
-        self._conn.send("go")
-        return await asyncio.to_thread(self._conn.recv)  # type: ignore[no-any-return]
+        fut = self._pool.submit(_big_body_storm, self.url, self.n, self.hang_s)
+        return await asyncio.wrap_future(fut)
 
     def __exit__(self, *_: object) -> None:
-        self._conn.close()
-        self._proc.join(5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        self._pool.shutdown(cancel_futures=True)
 
 
-def _big_body_child(url: str, n: int, mb: float, hang_s: float, nice: int,
-                    conn: Any) -> None:
+_BODY = b""
+
+
+def _big_body_init(mb: float, nice: int) -> None:
+    global _BODY
     os.nice(nice)
-    body = big_json(mb)
-    conn.send(len(body))
-    while True:
-        try:
-            if conn.recv() != "go":
-                return
-        except EOFError:  # the parent is done with us
-            return
-        cpu0 = time.process_time()
-        answers = _post_all(url, body, n, hang_s)
-        by: dict[str, list[float]] = {}
-        for status, s in answers:
-            by.setdefault(status, []).append(s)
-        conn.send(BigBodiesResult({k: len(v) for k, v in sorted(by.items())},
-                                  {k: (min(v), max(v)) for k, v in sorted(by.items())},
-                                  time.process_time() - cpu0))
+    _BODY = big_json(mb)
 
 
-def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, float]]:
-    """`n` concurrent POSTs of `body`, one blocking connection per thread: `sendall` hands
-    the kernel the body as it is (aiohttp moved the rest of a 60 MB body at each piece
-    sent: 4 s of CPU for 20 bodies, on the workers' cores)."""
+def _big_body_len() -> int:
+    return len(_BODY)
+
+
+def _big_body_storm(url: str, n: int, hang_s: float) -> BigBodiesResult:
+    """`n` concurrent POSTs of the body, one blocking connection per thread: `sendall`
+    hands the kernel the body as it is (aiohttp moved the rest of a 60 MB body at each
+    piece sent: 4 s of CPU for 20 bodies, on the workers' cores)."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import urlsplit
@@ -457,7 +432,7 @@ def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, f
         t0 = time.perf_counter()
         c = http.client.HTTPConnection(u.hostname, u.port, timeout=hang_s)
         try:
-            c.request("POST", u.path, body=body, headers={"Content-Type": "application/json"})
+            c.request("POST", u.path, body=_BODY, headers={"Content-Type": "application/json"})
             r = c.getresponse()
             r.read()
             status = str(r.status)
@@ -467,8 +442,15 @@ def _post_all(url: str, body: bytes, n: int, hang_s: float) -> list[tuple[str, f
             c.close()
         return status, time.perf_counter() - t0
 
+    cpu0 = time.process_time()
     with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
+        answers = list(pool.map(one, range(n)))
+    by: dict[str, list[float]] = {}
+    for status, s in answers:
+        by.setdefault(status, []).append(s)
+    return BigBodiesResult({k: len(v) for k, v in sorted(by.items())},
+                           {k: (min(v), max(v)) for k, v in sorted(by.items())},
+                           time.process_time() - cpu0)
 
 
 def over_limit_uploads(host: str, port: int, n: int, size: int, threads: int,
@@ -476,8 +458,8 @@ def over_limit_uploads(host: str, port: int, n: int, size: int, threads: int,
     """`n` POSTs of `size` bytes (over the server's limit) from `threads` threads on
     kept-alive http.client connections (it sends a whole body before it reads): of every
     four, a declared length, the same with `Connection: close`, chunked, chunked with
-    `Connection: close`. What each got (a status, or the error instead) -> count, and the
-    slowest answer in seconds."""
+    `Connection: close`. What each got (a status, or the error) -> count, and the slowest
+    answer in seconds."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
 
@@ -531,9 +513,6 @@ class SlowlorisResult:
     still_open: int = 0  # not closed by the server within `wait_s` after the attack
 
 
-HALF_HEADER = b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nX-Slow: "
-
-
 def _close_kind(data: bytes) -> str:
     """How the server closed a half-header socket: "bare close" (the header timeout),
     "503 make room" (evicted at the connection cap), "503 refused" (over the cap when it
@@ -549,10 +528,8 @@ def _close_kind(data: bytes) -> str:
 async def slowloris(host: str, port: int, n: int, hold_s: float, wait_s: float,
                     refill_s: float = 0.1) -> SlowlorisResult:
     """`n` connections that each send half a request header and stop, kept at `n` for
-    `hold_s`: a socket the server closes (refused, evicted, timed out) is opened again
-    `refill_s` later. Then no more are opened, and each still open is watched for up to
-    `wait_s`. Each socket's life is from just before its connect to its close by the
-    server."""
+    `hold_s` (a socket the server closes is opened again `refill_s` later); then each
+    still open is watched for up to `wait_s`. A socket's life: its connect to its close."""
     out = SlowlorisResult()
     t_stop = time.monotonic() + hold_s
 
@@ -560,7 +537,7 @@ async def slowloris(host: str, port: int, n: int, hold_s: float, wait_s: float,
         while (t_open := time.monotonic()) < t_stop:
             try:
                 r, w = await asyncio.open_connection(host, port)
-                w.write(HALF_HEADER)
+                w.write(b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nX-Slow: ")
                 await w.drain()
             except OSError:
                 out.connect_failed += 1
@@ -625,10 +602,7 @@ async def fuzz(host: str, port: int, models: dict[str, dict[str, Any]], n: int, 
     queue: asyncio.Queue = asyncio.Queue(maxsize=4 * concurrency)
 
     async def worker() -> None:
-        while True:
-            item = await queue.get()
-            if item is None:
-                return
+        while (item := await queue.get()) is not None:
             case, raw, lie = item
             try:
                 r, w = await asyncio.open_connection(host, port)

@@ -1,13 +1,9 @@
-"""Closed-loop load: tritonclient.http clients, each in a process of its own, each sending
-its next one-item request as soon as the last one is answered, for a set time; after a
-refusal (429), once `refusal_pause_s` has gone by (REFUSAL_PAUSE_S, 5 ms, by default).
-
-tritonclient.http runs on gevent, so one client per process: processes also keep each
-client's CPU its own on a small machine. Every request ends in exactly one outcome:
-answered within the model's SLO (latency measured by the client, send to full answer),
-answered late, refused with 429 (by the `reason` of the server's JSON body, `unspecified`
-when it has none), another 4xx, a 5xx, a timeout (no answer within the client's network
-timeout: a hang), a connection error, or another client-side error.
+"""Closed-loop load: tritonclient.http clients (gevent: one per process), each sending its
+next one-item request as soon as the last one is answered, for a set time; after a refusal
+(429), once `refusal_pause_s` has gone by. Every request ends in exactly one outcome:
+answered within the model's SLO (send to full answer), answered late, refused with 429 (by
+the `reason` of the server's JSON body), another 4xx, a 5xx, a timeout (a hang), a
+connection error, or another client-side error.
 """
 
 from __future__ import annotations
@@ -92,24 +88,17 @@ class Counts:
             "max_ms": max(lat) if lat else None, "elapsed_s": self.elapsed_s,
         }
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any], latencies_ms: list[float]) -> Counts:
-        return cls(d["within_slo"], d["late"], Counter(d["refused_by_reason"]),
-                   Counter(d["other_4xx"]), Counter(d["5xx"]), d["timeouts"],
-                   d["connection_errors"], d["client_errors"], latencies_ms, d["elapsed_s"])
-
 
 def _client_main(url: str, target: Target, seed: int, duration_s: float, timeout_s: float,
                  refusal_pause_s: float, go: Any, results: Any) -> None:
-    """One closed-loop client (the body of a child process): connect, report ready, wait
-    for `go`, then send one-item requests back to back for `duration_s` (after a 429,
-    `refusal_pause_s` later); put the counts on `results`."""
+    """One closed-loop client (a child process): connect, report ready, wait for `go`,
+    send for `duration_s`, put the counts on `results`."""
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
     class KeepErrorBody(th.InferenceServerClient):  # type: ignore[misc]
-        """tritonclient keeps only the `error` text of a refusal; the server's `reason`
-        is in the same JSON body, so keep the body of the last answer that was not 200."""
+        """Keeps the body of the last answer that was not 200 (tritonclient keeps only its
+        `error`; the server's `reason` is beside it)."""
 
         error_body = b""
 
@@ -128,9 +117,9 @@ def _client_main(url: str, target: Target, seed: int, duration_s: float, timeout
     try:
         client = KeepErrorBody(url, connection_timeout=timeout_s, network_timeout=timeout_s)
     except Exception as e:  # reported to the parent, never raised in a child
-        results.put((target.model, seed, None, [], repr(e)))
+        results.put((target.model, None, repr(e)))
         return
-    results.put(("ready", seed, None, [], ""))
+    results.put(("ready", None, ""))
     go.wait()
     start = time.perf_counter()
     end = start + duration_s
@@ -169,7 +158,7 @@ def _client_main(url: str, target: Target, seed: int, duration_s: float, timeout
             counts.late += 1
     counts.elapsed_s = time.perf_counter() - start
     client.close()
-    results.put((target.model, seed, counts.to_json(), counts.latencies_ms, ""))
+    results.put((target.model, counts, ""))
 
 
 class _ReadAgain:
@@ -215,16 +204,15 @@ def closed_loop(host: str, targets: list[Target], clients_per_model: int, durati
     out = {t.model: Counts() for t in targets}
     try:
         for _ in procs:
-            tag, _seed, _, _, err = results.get(timeout=start_timeout_s)
+            tag, _, err = results.get(timeout=start_timeout_s)
             if tag != "ready":
                 raise RuntimeError(f"closed-loop client for {tag} failed to start: {err}")
         go.set()
         # A client ends at most one timeout (plus its connection's) after `duration_s`.
         deadline = time.monotonic() + duration_s + 2 * timeout_s + 30
         for _ in procs:
-            model, _seed, counts, latencies, _err = results.get(
-                timeout=max(1.0, deadline - time.monotonic()))
-            out[model].add(Counts.from_json(counts, latencies))
+            model, counts, _ = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            out[model].add(counts)
         for p in procs:
             p.join(10)
     except queue.Empty as e:

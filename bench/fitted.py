@@ -1,14 +1,9 @@
-"""Configs fitted to the machine they run on (`fitted_config`).
+"""Configs fitted to the machine they run on (`fitted_config`; docs/machines.md).
 
-The benchmark configs (`configs/bench-*.yaml`) give SLOs and rates chosen for the machine
-their profiles came from (`profiles/cpu`); on a machine 3x slower the same SLOs cannot be
-met at all. So every benchmark and test that starts a server from such a config first
-measures `machine_factor`: how much slower this machine runs the config's models than the
-profiles say (the median over the models of one item on one core, in a fresh process, its
-warm-up excluded). The fitted config has every `slo_ms` and `max_queue_delay_ms` times that
-factor and every `rate_rps` divided by it. A factor below 1 (a faster machine) is taken as
-1. `DSTACK_MACHINE_FACTOR` in the environment sets the factor instead of measuring it.
-
+`machine_factor`: how much slower this machine runs a config's models than its CPU
+profiles say (the median over the models of one item on one core, in a fresh process,
+warm-up excluded; at least 1; `DSTACK_MACHINE_FACTOR` sets it instead). The fitted config
+has every `slo_ms` and `max_queue_delay_ms` times that factor, every `rate_rps` divided.
 `python -m bench.fitted CONFIG` prints the factor and the fitted config.
 """
 
@@ -26,9 +21,7 @@ from typing import Any
 
 import yaml
 
-#: Timed forwards of one item per model, after WARMUP untimed ones.
-REPEATS = 7
-WARMUP = 3
+REPEATS, WARMUP = 7, 3  # timed forwards of one item per model, after WARMUP untimed ones
 
 _MEASURE = """
 import json, os, sys, time
@@ -94,8 +87,7 @@ def profile_one_core_ms(profiles_dir: Path, model: str) -> float | None:
 
 @cache
 def machine_factor(profiles_dir: Path, zoo_names: tuple[str, ...]) -> float:
-    """How many times slower this machine runs the models than `profiles_dir` says (at
-    least 1): `DSTACK_MACHINE_FACTOR` if set, else measured (module docstring)."""
+    """How many times slower this machine runs the models than `profiles_dir` says."""
     given = os.environ.get("DSTACK_MACHINE_FACTOR")
     if given:
         return max(1.0, float(given))
@@ -122,9 +114,8 @@ def fit(raw: dict[str, Any], factor: float) -> dict[str, Any]:
 
 
 def fitted_config(config: Path, out_dir: Path) -> tuple[Path, float]:
-    """`config` fitted to this machine (module docstring), written into `out_dir` (paths
-    in it made absolute), and the factor. A config without CPU profiles is returned as
-    it is, factor 1."""
+    """`config` fitted to this machine, written into `out_dir` (paths made absolute), and
+    the factor; a config without CPU profiles as it is, factor 1."""
     raw = yaml.safe_load(config.read_text())
     profiles = raw.get("profiles")
     if raw.get("device", "cpu") != "cpu" or not profiles or profiles == "auto":

@@ -1,21 +1,16 @@
 """Hostile KServe v2 infer requests: a valid request for a model, then mutated.
 
 Pure and seeded: `fuzz_case(rng, models)` turns a `random.Random` into one `FuzzCase`
-(method, path, headers, body) from the models' metadata (`GET /v2/models/{m}`) and a few
-mutations: JSON structure (keys removed, added, renamed, junk of every JSON type, deep
-nesting), shapes (huge, negative, zero, non-integer, too many dimensions), datatypes,
-tensor names, data (wrong length, ragged, strings, NaN / Infinity, out of range), the
-binary extension (binary_data_size and Inference-Header-Content-Length wrong, negative,
-huge, junk), `outputs` and `parameters`, the encoding (duplicate keys, non-UTF-8, BOM,
-UTF-16, truncation, flipped bytes, trailing garbage), Content-Type, Content-Length and
-Content-Encoding headers, chunked bodies, methods and paths. The in-process test
-(`tests/integration/test_fuzz_http.py`) draws the `Random` from hypothesis; the chaos
-benchmark draws 100,000 from a seed against a real server. A server must answer every
-case, never with a 5xx, and every error as JSON `{"error": "..."}`.
+from the models' metadata (`GET /v2/models/{m}`) and a few mutations of the JSON, shapes,
+datatypes, names, data, the binary extension, the encoding, headers, methods and paths;
+`wire_bytes` adds HTTP-level lies. `tests/integration/test_fuzz_http.py` draws the
+`Random` from hypothesis; the chaos benchmark draws 100,000 from a seed. A server must
+answer every case, never with a 5xx, and every error as JSON `{"error": "..."}`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gzip
 import json
@@ -54,8 +49,7 @@ class FuzzCase:
     chunked: bool = False  # send the body chunked (no Content-Length)
     mutations: list[str] = field(default_factory=list)  # what was done, for the report
 
-    def raw_headers(self) -> dict[str, bytes]:
-        """The headers as bytes (UTF-8: some values are not ASCII on purpose)."""
+    def raw_headers(self) -> dict[str, bytes]:  # UTF-8: some are not ASCII on purpose
         return {k: v.encode() for k, v in self.headers.items()}
 
     def chunks(self, rng: random.Random) -> list[bytes]:
@@ -66,8 +60,7 @@ class FuzzCase:
 
 def valid_header(rng: random.Random, meta: dict[str, Any], *, binary: bool
                  ) -> tuple[dict[str, Any], list[bytes]]:
-    """A valid request header (as a dict) for `meta` and, when `binary`, the raw tensors
-    that follow it in order."""
+    """A valid request header for `meta` and, when `binary`, the tensors after it."""
     n = rng.randint(1, max(1, min(meta.get("max_batch_size", 1), 4)))
     inputs, blobs = [], []
     for t in meta["inputs"]:
@@ -105,12 +98,8 @@ def valid_header(rng: random.Random, meta: dict[str, Any], *, binary: bool
     return head, blobs
 
 
-# ------------------------------------------------------------------ structural mutations
-
-
 def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every path to a value inside `obj` (dict keys and list indices), long lists cut
-    and deep nesting not followed."""
+    """Every path to a value in `obj` (keys, indices); long lists cut, deep ones not followed."""
     out = [prefix]
     if len(prefix) > 12:
         return out
@@ -121,12 +110,6 @@ def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
         for i, v in enumerate(obj[:8]):
             out += _paths(v, (*prefix, i))
     return out
-
-
-def _parent(obj: Any, path: tuple) -> Any:
-    for p in path[:-1]:
-        obj = obj[p]
-    return obj
 
 
 def _tensor(head: dict[str, Any], rng: random.Random, key: str = "inputs") -> dict | None:
@@ -142,24 +125,20 @@ def _junk(rng: random.Random, pool: list[Any] = JUNK) -> Any:
 
 def m_replace(rng: random.Random, head: dict, blobs: list) -> str:
     path = rng.choice(_paths(head)[1:] or [("inputs",)])
-    parent = _parent(head, path)
-    parent[path[-1]] = _junk(rng) if rng.random() < 0.8 else _deep(rng.randint(50, 900))
+    _value(head, path[:-1])[path[-1]] = (_junk(rng) if rng.random() < 0.8
+                                         else _deep(rng.randint(50, 900)))
     return f"replace {path}"
 
 
 def m_delete(rng: random.Random, head: dict, blobs: list) -> str:
     path = rng.choice(_paths(head)[1:] or [("inputs",)])
-    parent = _parent(head, path)
-    try:
-        del parent[path[-1]]
-    except (KeyError, IndexError):
-        pass
+    with contextlib.suppress(KeyError, IndexError):
+        del _value(head, path[:-1])[path[-1]]
     return f"delete {path}"
 
 
 def m_add_key(rng: random.Random, head: dict, blobs: list) -> str:
-    targets = [p for p in _paths(head) if isinstance(_value(head, p), dict)]
-    path = rng.choice(targets)
+    path = rng.choice([p for p in _paths(head) if isinstance(_value(head, p), dict)])
     key = rng.choice(["extra", "parameters", "data", "shape", "datatype", "name", "outputs",
                       "binary_data_size", "binary_data", "binary_data_output", "id",
                       "classification", "shared_memory_region", "shared_memory_byte_size"])
@@ -281,9 +260,6 @@ STRUCTURAL = [m_replace, m_delete, m_add_key, m_shape, m_datatype, m_name, m_dat
               m_outputs, m_binary_size]
 
 
-# ------------------------------------------------------------------ encoding mutations
-
-
 def _dump(rng: random.Random, head: dict) -> bytes:
     try:
         text = json.dumps(head, allow_nan=True, ensure_ascii=rng.random() < 0.5)
@@ -337,15 +313,11 @@ def encoding_mutation(rng: random.Random, header: bytes) -> tuple[bytes, str]:
     return header + b" " * rng.randint(1, 1000), "trailing whitespace"
 
 
-# ------------------------------------------------------------------ the case
-
-
 def fuzz_case(rng: random.Random, models: dict[str, dict[str, Any]], *,
               max_body_bytes: int = 1 << 20, over_limit_rate: float = 0.02) -> FuzzCase:
-    """One hostile request for one of `models` (name -> metadata). About one case in
-    eight is left valid (the server must answer it 200) and one in twenty is sent
-    chunked. `max_body_bytes` bounds the bodies drawn (`over_limit_rate` of them go just
-    over it on purpose)."""
+    """One hostile request for one of `models` (name -> metadata); about one in eight is
+    left valid (answered 200), one in twenty sent chunked, `over_limit_rate` of them just
+    over `max_body_bytes`."""
     name = rng.choice(sorted(models))
     meta = models[name]
     binary = rng.random() < 0.45
@@ -426,16 +398,11 @@ def decode_json_error(body: bytes) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ on the wire
-
-
 def wire_bytes(case: FuzzCase, rng: random.Random, *, host: str = "127.0.0.1",
                lie_rate: float = 0.1) -> tuple[bytes, str | None]:
-    """`case` as the bytes of one HTTP/1.1 request (`Connection: close`), and what was
-    done at the HTTP level: with probability `lie_rate`, Content-Length lies (short, long:
-    the server waits for bytes that never come, until its body timeout), is doubled,
-    negative or junk, a header is not ASCII or not a header, or the chunked framing
-    is broken."""
+    """`case` as the bytes of one HTTP/1.1 request (`Connection: close`) and, with
+    probability `lie_rate`, the lie told at the HTTP level (Content-Length short, long,
+    doubled, negative or junk, a bad header, broken chunked framing)."""
     lines = [f"{case.method} {case.path} HTTP/1.1".encode(), b"Host: " + host.encode(),
              b"Connection: close"]
     lines += [k.encode() + b": " + v for k, v in case.raw_headers().items()]
@@ -476,7 +443,7 @@ def wire_bytes(case: FuzzCase, rng: random.Random, *, host: str = "127.0.0.1",
 
 def parse_status(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     """Status, headers (lower-case names) and body of one HTTP/1.1 response read to the
-    end of the connection; status 0 when there is no response at all."""
+    end of the connection; status 0 when there is none."""
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     try:

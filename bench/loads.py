@@ -38,8 +38,7 @@ class Outcome:
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
                     duration_s: float, seed: int = 1, max_inflight: int = 512
                     ) -> dict[str, Outcome]:
-    """Poisson arrivals per model at `rates` for `duration_s`, bounded in count and in
-    flight; latency from the send to the full response."""
+    """Poisson arrivals per model at `rates` for `duration_s` (`send_at`)."""
     arrivals = poisson_arrivals(np.random.default_rng(seed), rates, duration_s)
     return await send_at(host, arrivals, {m: slos_ms[m] for m in rates},
                          max_inflight=max_inflight)
@@ -60,9 +59,8 @@ def poisson_arrivals(rng: np.random.Generator, rates: dict[str, float], duration
 async def send_at(host: str, arrivals: list[tuple[float, str]], slos_ms: dict[str, float],
                   max_inflight: int = 512) -> dict[str, Outcome]:
     """One one-item binary infer request per `(instant s, model)` of `arrivals` (sorted),
-    each sent at its instant from the start (open loop; at most `max_inflight` at once,
-    a later one waits and its lag is counted); latency from the send to the full
-    response, judged against `slos_ms`. Every model of `slos_ms` gets an Outcome."""
+    each sent at its instant (open loop; at most `max_inflight` at once, a later one waits
+    and its lag is counted); latency from the send to the full response."""
     import aiohttp
 
     metas = {m: get_json(f"{host}/v2/models/{m}") for m in slos_ms}
@@ -78,8 +76,8 @@ async def send_at(host: str, arrivals: list[tuple[float, str]], slos_ms: dict[st
             async with sem:
                 t0 = time.perf_counter()
                 o.lag_ms = max(o.lag_ms, (t0 - t_start - at) * 1000)
+                body, headers = bodies[m]
                 try:
-                    body, headers = bodies[m]
                     async with http.post(f"{host}/v2/models/{m}/infer", data=body,
                                          headers=headers) as r:
                         await r.read()
@@ -94,10 +92,8 @@ async def send_at(host: str, arrivals: list[tuple[float, str]], slos_ms: dict[st
                     o.error += 1
                 else:
                     o.latencies_ms.append(ms)
-                    if ms <= slos_ms[m]:
-                        o.ok += 1
-                    else:
-                        o.late += 1
+                    o.ok += ms <= slos_ms[m]
+                    o.late += ms > slos_ms[m]
 
         t_start = time.perf_counter()
         tasks = []
@@ -129,14 +125,10 @@ class TritonClients:
 
     async def window(self, duration_s: float, slo_ms: float, warmup_s: float = 0.0
                      ) -> tuple[float, float, float, int]:
-        """(req/s, goodput within the SLO, p99 ms, requests refused) in steady state:
-        each client's requests started after the first `warmup_s` (the first batches
-        forming after a pause; perf_analyzer likewise measures steady state) and answered
-        within the next `duration_s`, over the time from the first one's start to the last
-        one's answer. A closed-loop client's rate is one request per cycle, so this is
-        exact; counting the answers inside a fixed window instead is off by up to a whole
-        batch (the answers come in batches, in a phase that repeats from window to
-        window)."""
+        """(req/s, goodput within the SLO, p99 ms, requests refused) in steady state: each
+        client's requests started after the first `warmup_s` and answered within the next
+        `duration_s`, over the time from the first one's start to the last one's answer
+        (answers counted in a fixed window are off by up to a whole batch)."""
         from tritonclient.utils import InferenceServerException
 
         lat: list[float] = []

@@ -1,13 +1,8 @@
 """`make soak` (`python -m bench.soak`): a real `dstack serve` on configs/bench-mix-dstack.yaml
-under open-loop Poisson load at 70% of capacity for 30 minutes (`--minutes` to shorten),
-one minute at a time; prints, per minute and at the end, attainment (answered within
-SLO / sent) and the RSS of the server and of each worker, and memory at the end against
-the start (target: within 5%; attainment >= 99%). Not part of the test suite.
-
-Capacity is a multiple of the mix's `rate_rps` (`--capacity-scale`; `make chaos` prints
-the one it calibrates). Memory is sampled after the first minute (the start: models
-loaded and warm) and after the last. `--frontends N` serves through N front-end processes
-(`server.frontends`), each of whose memory is reported too.
+under open-loop Poisson load at `--load` of capacity (`--capacity-scale` x the mix's
+`rate_rps`) for `--minutes`, a minute at a time; prints each minute's attainment and the
+RSS of the server, workers and front ends (`--frontends`), and memory at the end against
+minute 1 (targets: attainment >= 99%, memory within 5%).
 """
 
 from __future__ import annotations
