@@ -90,7 +90,7 @@ def config(policy: str, name: str, server: dict[str, Any] | None = None, *,
                         **(top or {}))
 
 
-def mix(policy: str) -> tuple[dict[str, float], dict[str, float]]:
+def mix(policy: str) -> tuple[dict[str, float], dict[str, float]]:  # rates, SLOs
     return rates_slos(MIX[policy])
 
 
@@ -432,8 +432,7 @@ def refusal_cost(args: argparse.Namespace) -> list[Row]:
         for m in spec["models"]:
             m["slo_ms"], m["max_queue_delay_ms"] = 1, 0.5
         cfg.write_text(yaml.safe_dump(spec))
-        out.append(_server_cost(cfg, "resnet18", 20_000,
-                                "refusal cost (resnet18, 600 KB bodies", n))
+        out.append(_server_cost(cfg, "resnet18", 20_000, "refusal cost (resnet18", n))
     return out
 
 
@@ -451,8 +450,7 @@ def accept_cost(args: argparse.Namespace) -> list[Row]:
     for n in args.frontends:
         cfg = OUT / f"accept-cost-{n}.yaml"
         cfg.write_text(yaml.safe_dump({**ACCEPT_CONFIG, "server": {"frontends": n}}))
-        out.append(_server_cost(cfg, "image", 5_000,
-                                "accept cost (pool_linear, 600 KB bodies", n))
+        out.append(_server_cost(cfg, "image", 5_000, "accept cost (pool_linear", n))
     return out
 
 
@@ -491,7 +489,7 @@ def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> R
         user1, sys1 = cpu_user_sys_s(srv.pid)
         front1 = sum(sum(cpu_user_sys_s(p)) for p in fronts)
         where = f", {frontends} front ends" if frontends > 1 else ""
-        return row(f"{label}{where})", tally, srv.pid,
+        return row(f"{label}, 600 KB bodies{where})", tally, srv.pid,
                    per_s=tally.sent / wall, answered_per_s=tally.accepted / wall,
                    server_user_us=1e6 * (user1 - user0) / tally.sent,
                    server_kernel_us=1e6 * (sys1 - sys0) / tally.sent,
