@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -274,9 +275,7 @@ def run_mix(mix: Mix, policies: tuple[str, ...] = POLICIES) -> MixResult:
 
 
 def short_models(mix: Mix) -> str:
-    counts: dict[str, int] = {}
-    for m in mix.models:
-        counts[m.zoo] = counts.get(m.zoo, 0) + 1
+    counts = Counter(m.zoo for m in mix.models)
     return ",".join(SHORT.get(z, z[:6]) + (f"x{c}" if c > 1 else "") for z, c in counts.items())
 
 
@@ -286,14 +285,8 @@ HEADER = (f"{'id':5s} {'device':6s} {'models':30s} {'load':>5s} {'arrivals':8s} 
 
 
 def format_row(r: MixResult) -> str:
-    cols = []
-    for p in POLICIES:
-        if p not in r.goodput_rps:
-            cols.append(f"{'-':>8s}")
-        elif p in r.errors:
-            cols.append(f"{'fail':>8s}")
-        else:
-            cols.append(f"{r.ratio_ideal[p]:8.3f}")
+    cols = [f"{'-':>8s}" if p not in r.goodput_rps else f"{'fail':>8s}" if p in r.errors
+            else f"{r.ratio_ideal[p]:8.3f}" for p in POLICIES]
     flag = " <" if r.vs_best < TARGET_VS_BEST else ""
     return (f"{r.mix.id:5s} {DEVICE_SHORT.get(r.mix.device_dir, r.mix.device_dir[:6]):6s} "
             f"{short_models(r.mix)[:30]:30s} {r.mix.load:5.2f} {r.mix.arrival_kind:8s} "
@@ -405,12 +398,6 @@ def summarise_bursty(results: list[MixResult]) -> tuple[dict[str, Any], list[str
     return fig, lines
 
 
-def result_json(r: MixResult) -> dict[str, Any]:
-    d = asdict(r)
-    d["mix"]["models"] = [asdict(m) for m in r.mix.models]
-    return d
-
-
 def _run_all(mixes: list[Mix], jobs: int):  # noqa: ANN202 (an iterator of MixResult)
     if jobs <= 1 or len(mixes) <= 1:
         return map(run_mix, mixes)
@@ -451,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         for p, e in r.errors.items():
             print(f"  {p}: could not run: {e}")
         if args.out:
-            _write(Path(args.out), {"config": result_json(r)})
+            _write(Path(args.out), {"config": asdict(r)})
         return 0
     mixes = draw_suite(args.seed, args.mixes, args.duration, args.max_requests)
     jobs_in = list(mixes)
@@ -486,9 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         bursty_fig, blines = summarise_bursty(bursty)
         print("\n".join(blines))
     out = Path(args.out) if args.out else DEFAULT_OUT
-    _write(out, {"seed": args.seed, "mixes": [result_json(r) for r in results],
-                 "bursty": [result_json(r) for r in bursty],
-                 "reference": result_json(reference) if reference else None,
+    _write(out, {"seed": args.seed, "mixes": [asdict(r) for r in results],
+                 "bursty": [asdict(r) for r in bursty],
+                 "reference": asdict(reference) if reference else None,
                  "summary": fig, "bursty_summary": bursty_fig, "args": vars(args)})
     print(f"written to {out}")
     return 0
