@@ -65,7 +65,6 @@ from bench.servers import (
     serving,
     write_config,
 )
-from dstack.common.config import DeployConfig
 from dstack.common.pauses import freeze_startup_objects
 from dstack.common.slices import available_cores, pin_threads
 
@@ -76,9 +75,6 @@ MIX = {p: ROOT / MIXES["cpu"].format(p) for p in ("dstack", "spatial")}
 LOAD_PROCS = 1  # processes the overload scenario's load is sent from (`--load-procs`)
 TINY = ROOT / "configs/bench-single-tiny_cnn-shared.yaml"  # the fuzzer's target: cheap
 OUT = ROOT / "out/chaos"
-#: The hostile big-body sender runs as nice as the workers: load the server must survive,
-#: not a client it serves.
-HOSTILE_NICE: int = DeployConfig.model_fields["worker_nice"].default
 Row = dict[str, Any]
 
 
@@ -373,8 +369,7 @@ def big_bodies(args: argparse.Namespace) -> Row:
     base, slos = mix("dstack")
     rates = {m: r * 4.0 for m, r in base.items()}
     with serving(config("dstack", "bodies"), OUT / "bodies.log") as srv, \
-            cl.BigBodySender(f"{srv.host}/v2/models/mobilenet_v3_small/infer", 20, 20.0,
-                             nice=HOSTILE_NICE) as sender:
+            cl.BigBodySender(f"{srv.host}/v2/models/mobilenet_v3_small/infer", 20, 20.0) as sender:
         run(cl.open_loop(srv.host, rates, slos, 2.0))
         quiet, quiet_health = run(_with_floor(
             srv.host, cl.open_loop(srv.host, rates, slos, 12.0, seed=4)))

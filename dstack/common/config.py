@@ -303,11 +303,13 @@ class DeployConfig(_Strict):
     forward on an H100, several times the GPU's own time (dstack/runtime/graphs.py). A
     forward that cannot be captured runs eager, with a warning. False: always eager (a
     model whose rows interact, since a batch is padded to a captured size)."""
-    worker_nice: Annotated[int, Field(ge=0, le=19)] = 10
+    worker_nice: Annotated[int, Field(ge=0, le=19)] | None = None
     """Workers run this much nicer than the server (Linux `nice`): on cores the workers
     share with the server's event loop, reading requests, refusing and answering them go
-    before compute (measured in docs/decisions.md). 0: the same
-    priority."""
+    before compute. Unset: 10 on a CUDA device (a worker there mostly waits on the GPU);
+    0 on a CPU device, whose workers run as CPU-bound batch work instead (`SCHED_BATCH`:
+    a worker waking does not pre-empt the server), since at 10 they lost their cores to
+    any other program on the host (docs/machines.md has the figures)."""
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="before")
@@ -356,6 +358,14 @@ def decision_timeout_s(cfg: DeployConfig) -> float:
     if ms is None:
         ms = CUDA_DECISION_TIMEOUT_MS if cfg.device == DeviceKind.CUDA else 0.0
     return ms / 1000
+
+
+def worker_niceness(cfg: DeployConfig) -> int:
+    """How much nicer than the server the workers run (`worker_nice`; unset: 10 on a
+    CUDA device, 0 on a CPU device)."""
+    if cfg.worker_nice is None:
+        return 10 if cfg.device == DeviceKind.CUDA else 0
+    return cfg.worker_nice
 
 
 def solve_in_process(cfg: DeployConfig) -> bool:

@@ -27,7 +27,13 @@ from typing import Protocol
 import numpy as np
 
 from dstack.common.backend import ModelStats
-from dstack.common.config import DeployConfig, ModelConfig, PolicyName, solve_in_process
+from dstack.common.config import (
+    DeployConfig,
+    ModelConfig,
+    PolicyName,
+    solve_in_process,
+    worker_niceness,
+)
 from dstack.common.errors import (
     BackendError,
     DStackError,
@@ -207,7 +213,7 @@ class Runtime(EarlyAdmission):
         self.supervisor: WorkerPool = supervisor if supervisor is not None else Supervisor(
             {m.name: (m, self.specs[m.name]) for m in cfg.models}, self.slices,
             on_change=self._poke, on_failed=self._model_failed,
-            on_restarted=self._restarted, clock=clock, worker_nice=cfg.worker_nice,
+            on_restarted=self._restarted, clock=clock, worker_nice=worker_niceness(cfg),
             cuda_graphs=cfg.cuda_graphs)
         # Requests refused because their model was restarting (503), per served model:
         # since start-up, and in the restart under way (with those that waited for it).

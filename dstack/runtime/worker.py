@@ -109,10 +109,26 @@ def _renice(n: int) -> None:
             pass
 
 
+def _batch_scheduling() -> None:
+    """Run every thread of this process as CPU-bound batch work (Linux `SCHED_BATCH`, at
+    the same weight as its niceness gives it): a worker that wakes does not pre-empt the
+    server's event loop on a shared core, and keeps its fair share against other
+    programs, which a niceness of 10 gave away. Threads made later inherit it."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    for tid in thread_ids():
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        except (ProcessLookupError, PermissionError):  # ended meanwhile; not allowed here
+            pass
+
+
 def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     os.environ.update(cfg.extra_env)
     if cfg.nice:
         _renice(cfg.nice)
+    if cfg.slice.device == "cpu":
+        _batch_scheduling()
     if cfg.cpus:
         pin_threads(cfg.cpus)
     keep_heap()  # before torch allocates anything

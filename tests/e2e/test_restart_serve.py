@@ -1,8 +1,9 @@
 """A worker killed under a real `dstack serve`: while it restarts, a request whose SLO can
 wait for it is answered once it is back, one whose SLO cannot is refused at once with 503
 and Retry-After; /stats and /metrics count the same failures; the log says it once. Workers,
-restarted ones too, run `worker_nice` (10) nicer than the server, every thread of them, and on
-the host's cores while the front end keeps to its own (`server.cores`)."""
+restarted ones too, run `worker_nice` nicer than the server and as batch work (`SCHED_BATCH`),
+every thread of them, and on the host's cores while the front end keeps to its own
+(`server.cores`)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ def _infer(url: str, model: str) -> tuple[int, Message]:
         return e.code, e.headers
 
 
-def _niceness(pid: int) -> set[int]:
-    """The niceness of each thread of process `pid` (field 19 of /proc/PID/task/TID/stat)."""
+def _niceness(pid: int) -> set[tuple[int, int]]:
+    """The niceness and scheduling policy of each thread of process `pid` (fields 19 and
+    41 of /proc/PID/task/TID/stat)."""
     out = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
         stat = open(f"/proc/{pid}/task/{tid}/stat").read()  # noqa: SIM115
-        out.add(int(stat.rsplit(")", 1)[1].split()[16]))
+        fields = stat.rsplit(")", 1)[1].split()
+        out.add((int(fields[16]), int(fields[38])))
     return out
 
 
@@ -65,6 +68,7 @@ def server_config(tmp_path: Path) -> dict:
     return {
         "policy": "shared",  # every worker on every core
         "server": {"cores": [front]},
+        "worker_nice": 5,
         "models": [
             {"name": "patient", "zoo_name": "tiny_cnn", "slo_ms": 60000, "max_batch_size": 2},
             {"name": "hasty", "zoo_name": "tiny_cnn", "slo_ms": 300, "max_batch_size": 2},
@@ -82,7 +86,8 @@ def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(
         assert _infer(srv.url, m)[0] == 200
     pids = _worker_pids(srv.log.read_text())
     server_nice = os.getpriority(os.PRIO_PROCESS, srv.proc.pid)
-    assert {m: _niceness(p) for m, p in pids.items()} == {m: {server_nice + 10} for m in pids}
+    worker = {(server_nice + 5, os.SCHED_BATCH)}
+    assert {m: _niceness(p) for m, p in pids.items()} == {m: worker for m in pids}
     assert _affinity(srv.proc.pid) == {front}
     assert {m: _affinity(p) for m, p in pids.items()} == {m: {host} for m in pids}
     for m in ("patient", "hasty"):
@@ -104,6 +109,6 @@ def test_a_killed_worker_restarts_and_requests_wait_or_are_told_when(
     assert fail == _failures(metrics, "hasty") >= 3  # one count, both views
     log = srv.log.read_text()
     assert len(re.findall(r"hasty.*restarted in", log)) == 1, log[-3000:]
-    assert _niceness(_worker_pids(log)["hasty"]) == {server_nice + 10}
+    assert _niceness(_worker_pids(log)["hasty"]) == worker
     assert _affinity(_worker_pids(log)["hasty"]) == {host}  # not the front end's core
     assert _affinity(srv.proc.pid) == {front}

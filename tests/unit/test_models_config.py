@@ -18,6 +18,7 @@ from dstack.common.config import (
     load_config,
     parse_config,
     solve_in_process,
+    worker_niceness,
 )
 from dstack.runtime.specs import served_spec
 
@@ -151,6 +152,20 @@ def test_a_front_ends_bound_on_the_decision_defaults_by_device() -> None:
     assert bound_s("cuda") == 0.003 and bound_s("cpu") == 0.0
     assert bound_s("cuda", decision_timeout_ms=0) == 0.0
     assert bound_s("cpu", decision_timeout_ms=5) == 0.005
+
+
+def test_workers_run_nicer_by_default_only_on_cuda() -> None:
+    """`worker_nice` not given: 10 on a CUDA device, 0 on a CPU device (whose workers,
+    niced, lost their cores to any other program on the host); a value given is used on
+    either; one outside 0-19 is an error naming the field."""
+    def nice(device: str, **top: int) -> int:
+        return worker_niceness(parse_config({
+            "device": device, **top, "models": [{"name": "tiny_cnn"}]}))
+
+    assert nice("cuda") == 10 and nice("cpu") == 0
+    assert nice("cuda", worker_nice=0) == 0 and nice("cpu", worker_nice=7) == 7
+    with pytest.raises(ConfigError, match="worker_nice"):
+        nice("cpu", worker_nice=20)
 
 
 def test_replans_are_solved_in_a_process_by_default_on_cuda_and_in_a_thread_on_cpu() -> None:
