@@ -30,9 +30,8 @@ out of date), and each time it got the GIL it held the loop 5-8 ms. At
 with one running thread, nothing switches.
 
 `Lateness` counts what pauses are left, as an event loop's periodic timer sees them: the
-server's (`Runtime.loop_late`, /metrics `dstack_event_loop_late_seconds`) and the
-benchmark's load generators' (`bench.chaos_load.open_loop`), so that a slow answer can be
-told apart as the server's loop held up, or the client's.
+server's (`Runtime.loop_late`, /metrics `dstack_event_loop_late_seconds`), so that a slow
+answer can be told apart as the server's loop held up.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """`dstack.common.pauses.Lateness`: a periodic timer's lateness counted tick by tick, as the
-server's /metrics (`dstack_event_loop_late_seconds`) and the chaos benchmark's load
-generators report it."""
+server's /metrics (`dstack_event_loop_late_seconds`) reports it."""
 
 from __future__ import annotations
 
