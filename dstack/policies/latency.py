@@ -252,13 +252,15 @@ class LinearLatency:
     @cython.ccall
     def remeasure(self, n: cython.long, seconds: cython.double) -> cython.void:
         """A probe's measurement (the estimate was refusing requests): the mean line is
-        scaled to pass through it at once; the fast end follows as after any batch."""
+        moved to pass through it at once (`_nudge`, the whole way); the fast end follows
+        as after any batch. Scaling both costs instead ran away as lone outliers did:
+        a probe 1.5x slow followed by 20 batches at the line, 20 times over, read a
+        batch of 8 at 15 s on a line with a negative fixed cost."""
         pred: cython.double = self.estimate_s(n)
         self.observations += 1
         self.far_streak = 0
         if pred > 0 and seconds > 0:
-            self.k_s = max(1e-6, self.k_s * seconds / pred)
-            self.t_s = self.t_s * seconds / pred
+            self._nudge(n, seconds - pred)
             self._observe_low(n, seconds)  # a faster probe lowers the fast end at once
 
     def max_batch_within(self, budget_s: float, cap: int) -> int:

@@ -218,6 +218,23 @@ def test_lone_stalls_at_one_size_do_not_run_a_sloped_line_away() -> None:
     assert est.estimate_s(8) < 1.5 * start8
 
 
+def test_probes_do_not_run_a_sloped_line_away() -> None:
+    """A probe (the estimate was refusing) moves the line through its batch at once. On a
+    line with a negative fixed cost, probes 1.5x slow each followed by batches back at
+    0.5 ms must leave it where the batches put it: scaling both costs for each probe read
+    a batch of 8 at 15 s after 20 such rounds, and ever higher after more."""
+    est = LinearLatency(-0.0003, 0.0006, observations=10, p_kk=1.0, p_kt=0.0, p_tt=1.0)
+    start8 = est.estimate_s(8)
+    for _ in range(100):
+        probe = 1.5 * est.estimate_s(1)
+        est.remeasure(1, probe)
+        assert est.estimate_s(1) == pytest.approx(probe)  # through the probe at once
+        for _ in range(20):
+            est.observe(1, 0.0005)
+    assert 0.0004 < est.estimate_s(1) < 0.0007
+    assert est.estimate_s(8) < 1.5 * start8
+
+
 def test_a_stall_at_one_size_between_others_is_still_a_lone_outlier() -> None:
     """Two stalls at a batch of 8, five batches of other sizes apart: neither is believed
     (only far-off batches at most FAR_WITHIN apart are)."""
