@@ -138,6 +138,7 @@ def server_config(app: ASGIApp, cfg: ServerConfig | None = None, *,
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
         access_log=False,  # one log line per request would cost more than decoding it
         timeout_graceful_shutdown=cfg.shutdown_grace_s,  # type: ignore[arg-type]
+        timeout_keep_alive=cfg.keep_alive_s,  # type: ignore[arg-type]
         ssl_certfile=cfg.tls_certfile,
         ssl_keyfile=cfg.tls_keyfile,
     )

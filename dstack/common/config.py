@@ -86,6 +86,13 @@ class ServerConfig(_Strict):
     """A client that takes none of its answers for this many seconds, while the server holds
     more of them than its socket takes, is disconnected (nginx's `send_timeout`). Meanwhile
     the server reads no more of its requests."""
+    keep_alive_s: Annotated[float, Field(gt=0)] = 75.0
+    """An HTTP connection kept alive and idle between requests for this many seconds is
+    closed. Longer than common clients keep an idle connection in their pools (aiohttp,
+    under `tritonclient.http.aio`: 15 s), so that the client drops it first: a server that
+    closes first (uvicorn's default, 5 s) races a client sending on it, which then fails
+    ("Cannot write to closing transport"). Idle connections count toward
+    `max_connections`, where the one idle longest goes first."""
     max_connections: Annotated[int, Field(ge=1)] = 1000
     """Open client connections at most. At the cap a new connection closes the one that
     has waited longest for a request header (half sent, or idle between requests); when

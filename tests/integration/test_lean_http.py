@@ -5,7 +5,10 @@ reused, a server that closes or does not answer reported as such."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import socket
+import time
 
 import pytest
 
@@ -83,3 +86,26 @@ def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
             assert client.idle and client.idle[0] is not idle
 
         asyncio.run(go())
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # open, nothing to read
+
+
+@pytest.mark.parametrize("keep_alive_s", [0.3, None])
+def test_an_idle_kept_alive_connection_is_closed_after_keep_alive_s(
+        keep_alive_s: float | None) -> None:
+    """`server.keep_alive_s` closes a connection idle between requests that long; by
+    default it outlasts uvicorn's own 5 s (and clients' pools, which then drop it first)."""
+    server = {} if keep_alive_s is None else {"keep_alive_s": keep_alive_s}
+    with _serving(server=server) as ((host, port), _):
+        conn = http.client.HTTPConnection(host, port, timeout=5)
+        conn.request("POST", "/v2/models/double/infer", VALID, HEADERS)
+        assert conn.getresponse().read() and conn.sock is not None
+        time.sleep(1.0 if keep_alive_s else 6.0)
+        assert _closed_by_server(conn.sock) == (keep_alive_s is not None)
+        conn.close()
