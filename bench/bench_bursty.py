@@ -1,15 +1,8 @@
 """`make bench-bursty` (`python -m bench.bench_bursty`): the real CPU server replays bursty
-arrivals under every policy, the simulator's prediction beside each (issue 64).
-
-For each policy and `--scales` multiple of the mix's rates: a fresh server of
-`configs/bench-mix-<policy>.yaml` fitted to this machine (`bench.fitted`; planned for x1
-at every scale) gets the arrivals of `dstack.simulate.generate(--workload, rates x scale,
---duration, --seed)`, one one-item request each, sent open loop at its instant (at most 512
-in flight, `--max-requests` in all); the same arrivals are simulated with `profiles/cpu`
-scaled by the machine factor. Printed: per policy and scale, goodput within SLO, refused
-and late, real and simulated, the simulator's error, and dstack / shared and dstack /
-spatial against the targets (>= 1.0x, >= 1.1x, the simulator within 10%), met or MISSED.
-Every number in `out/bench/bench_bursty.json`; exit status 1 only when a server failed.
+arrivals under every policy, the simulator's prediction beside each (issue 64): per policy
+and `--scales` multiple of the fitted mix's rates, goodput within SLO, refused and late,
+real and simulated, and the targets met or MISSED (docs/benchmarks.md). Every number in
+`out/bench/bench_bursty.json`; exit status 1 only when a server failed.
 """
 
 from __future__ import annotations
@@ -25,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.chaos_load import Tally, p99, send_at
 from bench.fitted import fitted_config
-from bench.loads import Outcome, p99, send_at
 from bench.servers import ROOT, rates_slos, serving
 from dstack.common.config import load_config
 from dstack.common.types import scaled
@@ -75,10 +68,10 @@ def fitted_mix(policy: str, outdir: Path) -> Mix:
     return Mix(config, slos, rates, factor)
 
 
-def outcome_json(o: Outcome, duration_s: float) -> dict[str, Any]:
-    return {"arrived": o.sent, "within_slo": o.ok, "late": o.late, "refused": o.refused,
-            "errors": o.error, "goodput_rps": o.ok / duration_s,
-            "p99_ms": p99(o) if o.latencies_ms else None, "lag_ms": o.lag_ms}
+def outcome_json(o: Tally, duration_s: float) -> dict[str, Any]:
+    return {"arrived": o.sent, "within_slo": o.ok, "late": o.late,
+            "refused": o.refused.total(), "errors": o.errors, "goodput_rps": o.ok / duration_s,
+            "p99_ms": p99(o) if o.latencies_ms else None}
 
 
 def run_real(policy: str, mix: Mix, arrivals: Arrivals, duration_s: float, log: Path
@@ -88,7 +81,8 @@ def run_real(policy: str, mix: Mix, arrivals: Arrivals, duration_s: float, log: 
     with serving(mix.config, log) as srv:
         # a request per model first: the client's connection and the first HTTP path
         asyncio.run(send_at(srv.host, [(0.0, m) for m in mix.slos_ms], mix.slos_ms))
-        out = asyncio.run(send_at(srv.host, sends(arrivals), mix.slos_ms, MAX_INFLIGHT))
+        out = asyncio.run(send_at(srv.host, sends(arrivals), mix.slos_ms,
+                                  max_inflight=MAX_INFLIGHT))
     text = log.read_text()
     corrected = re.findall(r"profiles: warm-up batches.*", text)
     models = {m: outcome_json(o, duration_s) for m, o in out.items()}

@@ -1,28 +1,8 @@
 """`make chaos` (`python -m bench.bench_chaos`): overload, faults and hostile clients against
-real `dstack serve` processes on 127.0.0.1, each scenario bounded in count and time, and ONE
-table (scenario | sent | in SLO | refused by reason | 4xx | 5xx | hung | conn | server peak /
-final RSS), then each scenario's notes; every number in out/chaos/chaos.json. Scenarios
-(figures in docs/limits.md):
-
-- overload: `configs/bench-mix-{dstack,spatial}.yaml` under open-loop Poisson at 1x, 2x and
-  4x of capacity (a multiple of the mix's `rate_rps`: the one with the most goodput within
-  SLO in a short ramp, or `--capacity-scale`). The servers run side by side; in each of
-  `--reps` rounds, at each level, each gets a window in turn (the order reversed every
-  other round). Reported: goodput at 2x and 4x as a ratio of 1x (target >= 0.90), the share
-  of accepted requests answered within SLO (>= 99%), the p99 time to a refusal (< 5 ms);
-  each round ends with a control window per policy (CONTROL);
-- kill -9 of the resnet18 worker under 0.7x load;
-- 5 storms of 20 concurrent ~20 MB JSON bodies from a child process: other traffic's p99
-  per model during them against unloaded, the server's RSS after against before;
-- over the limit: 64 bodies of 32 MiB to a 1 MiB limit on kept-alive connections: every
-  one reads its 413, the server's open sockets come back;
-- slowloris: 1,000 half-sent headers kept open, normal traffic on new connections meanwhile;
-- stalled uploads: 50 bodies cut half-way (body timeout 5 s here);
-- SIGTERM under load: exit code; every request answered, refused or turned away at
-  connect, none hung;
-- the fuzzer (bench/fuzz_requests.py): 100,000 cases on raw sockets: 0 5xx, memory flat;
-- refusal cost / accept cost: the server's CPU per request refused from its header, and
-  per request answered by a model of next to no compute (600 KB bodies each).
+real `dstack serve` processes on 127.0.0.1, each scenario bounded in count and time (each
+function below says what it does), and ONE table (scenario | sent | in SLO | refused by
+reason | 4xx | 5xx | hung | conn | server peak / final RSS), then each scenario's notes;
+every number in out/chaos/chaos.json; figures and targets in docs/limits.md.
 
 The load generator (`bench.chaos_load.LeanClient`) shares the machine: client-side figures
 include its own scheduling delays, and what it costs is taken from the workers.
@@ -50,7 +30,6 @@ from typing import Any
 import yaml
 
 from bench import chaos_load as cl
-from bench.loads import one_item_body
 from bench.servers import (
     ROOT,
     Server,
@@ -166,12 +145,9 @@ class _Levels:
     base: dict[str, float]
     slos: dict[str, float]
     cap: float
-    pids: dict[str, int]
     tallies: dict[int | str, cl.Tally] = _each(cl.Tally)
-    floors: dict[int | str, list[float]] = _each(list)  # GET health round trips, ms
     good: dict[int | str, list[float]] = _each(list)
     per_model: dict[int | str, dict[str, int]] = _each(dict)
-    cpu: dict[int | str, dict[str, float]] = _each(dict)
     load_cores: dict[int | str, list[float]] = _each(list)  # the load generator's
     burnt: list[float] = field(default_factory=list)  # the burner's cores, by round
 
@@ -180,8 +156,8 @@ def overload(args: argparse.Namespace) -> list[Row]:
     """Every policy's server up at once (each calibrated alone), then `args.reps` rounds
     of 1x, 2x and 4x of capacity, every policy in turn at each level (the order reversed
     every other round), so that the machine's noise falls on the policies and the levels
-    alike. Ratios are medians over the rounds. A server waits idle (its CPU reported as
-    "idle servers") while another is measured."""
+    alike. Ratios are medians over the rounds. A server waits idle while another is
+    measured."""
     host = available_cores()
     load = tuple(args.load_cores or ())
     with ExitStack() as stack:
@@ -208,20 +184,16 @@ def overload(args: argparse.Namespace) -> list[Row]:
             print(f"  {label}: capacity = {cap:g}x the mix ("
                   + ", ".join(f"{m} {r * cap:g} rps" for m, r in base.items()) + ")",
                   flush=True)
-            runs[label] = _Levels(srv, base, slos, cap,
-                                  {"server": srv.pid, **{m: srv.worker_pid(m) for m in base},
-                                   **{f"front end {k}": pid
-                                      for k, pid in enumerate(front_ends(srv.pid))}})
-        every = {f"{pol} {k}": pid for pol, lv in runs.items() for k, pid in lv.pids.items()}
+            runs[label] = _Levels(srv, base, slos, cap)
         for rep in range(args.reps):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
             for x in LEVELS:  # the policies' windows of one level one after the other
                 for policy in order:
-                    _window(runs[policy], policy, x, rep, every, args)
+                    _window(runs[policy], policy, x, rep, args)
             for policy in order if args.control else ():
                 lv = runs[policy]
                 with cl.Burner(max(0.0, lv.load_cores[4][-1] - lv.load_cores[1][-1])) as burner:
-                    _window(lv, policy, CONTROL, rep, every, args, burner)
+                    _window(lv, policy, CONTROL, rep, args, burner)
         rows = []
         secs = args.reps * args.overload_seconds
         for policy, lv in runs.items():
@@ -233,10 +205,7 @@ def overload(args: argparse.Namespace) -> list[Row]:
                          "goodput_rps": statistics.median(lv.good[x]),
                          "goodput_vs_1x": statistics.median(ratios),
                          "goodput_vs_1x_rounds": [round(r, 2) for r in ratios],
-                         "accepted_in_slo": t.ok / t.accepted if t.accepted else float("nan"),
-                         "health_p50_p99_ms": (round(cl.pct(lv.floors[x], 50), 1),
-                                               round(cl.pct(lv.floors[x], 99), 1)),
-                         "cores_used": {k: round(v, 2) for k, v in lv.cpu[x].items()}}
+                         "accepted_in_slo": t.ok / t.accepted if t.accepted else float("nan")}
                 for m, ok in lv.per_model[x].items():
                     extra[f"goodput_{m}"] = ok / secs
                     one = lv.per_model[1].get(m, 0)
@@ -265,65 +234,29 @@ def _label(x: int | str) -> str:
     return "1x+client 4x CPU" if x == CONTROL else f"{x}x"
 
 
-def _window(lv: _Levels, policy: str, x: int | str, rep: int, every: dict[str, int],
-            args: argparse.Namespace, burner: cl.Burner | None = None) -> None:
+def _window(lv: _Levels, policy: str, x: int | str, rep: int, args: argparse.Namespace,
+            burner: cl.Burner | None = None) -> None:
     """One window of level `x` (a multiple of `policy`'s capacity, or CONTROL while
-    `burner` runs), added to `lv`."""
+    `burner` runs), added to `lv`; the load generator's cores (and the burner's) kept."""
     rates = {m: r * lv.cap * _times(x) for m, r in lv.base.items()}
-    mine = {f"{policy} {k}" for k in lv.pids}
-    before = {k: cpu_s(p) for k, p in every.items()}
     load0 = sum(os.times()[:2])
     burnt0 = cpu_s(burner.pid) if burner is not None else 0.0
     t0, began = time.monotonic(), time.strftime("%H:%M:%S", time.gmtime())
-    load = cl.open_loop_sharded(lv.srv.host, rates, lv.slos, args.overload_seconds,
-                                seed=100 * rep + _times(x), procs=LOAD_PROCS)
-    (res, shards_cpu), floor = run(_with_floor(lv.srv.host, load))
+    res, shards_cpu = run(cl.open_loop_sharded(lv.srv.host, rates, lv.slos,
+                                               args.overload_seconds, seed=100 * rep + _times(x),
+                                               procs=LOAD_PROCS))
     wall = time.monotonic() - t0
-    used = {k: (cpu_s(p) - before[k]) / wall for k, p in every.items()}
-    cores = {k.split(" ", 1)[1]: v for k, v in used.items() if k in mine}
-    cores["load generator"] = (sum(os.times()[:2]) - load0 + shards_cpu) / wall
-    lv.load_cores[x].append(cores["load generator"])
+    lv.load_cores[x].append((sum(os.times()[:2]) - load0 + shards_cpu) / wall)
     if burner is not None:
-        cores["burner"] = (cpu_s(burner.pid) - burnt0) / wall
-        lv.burnt.append(cores["burner"])
-    if len(every) > len(mine):
-        cores["idle servers"] = sum(v for k, v in used.items() if k not in mine)
-    for k, v in cores.items():  # cores used, summed over the rounds (averaged)
-        lv.cpu[x][k] = lv.cpu[x].get(k, 0.0) + v / args.reps
+        lv.burnt.append((cpu_s(burner.pid) - burnt0) / wall)
     t = cl.total(res)
     lv.tallies[x].add(t)
-    lv.floors[x] += floor
     lv.good[x].append(t.ok / args.overload_seconds)
     for m, tm in res.items():
         lv.per_model[x][m] = lv.per_model[x].get(m, 0) + tm.ok
     print(f"    round {rep + 1} {policy} {_label(x)} (from {began} UTC): goodput "
           f"{lv.good[x][-1]:.1f}/s, sent {t.sent}, refused {dict(t.refused)}, hung {t.hung}, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-
-
-async def _with_floor(host: str, load: Any) -> tuple[Any, list[float]]:
-    """Run `load` while timing GET /v2/health/live every 50 ms: the HTTP round trip that
-    no refusal can beat on this machine under this load (the floor under refusal times)."""
-    import aiohttp
-
-    done = asyncio.Event()
-    times: list[float] = []
-
-    async def probe() -> None:
-        async with aiohttp.ClientSession() as http:
-            while not done.is_set():
-                t0 = time.perf_counter()
-                async with http.get(f"{host}/v2/health/live") as r:
-                    await r.read()
-                times.append((time.perf_counter() - t0) * 1000)
-                await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(probe())
-    try:
-        return await load, times
-    finally:
-        done.set()
-        await task
 
 
 # ------------------------------------------------------------------ faults, hostile clients
@@ -371,8 +304,7 @@ def big_bodies(args: argparse.Namespace) -> Row:
     with serving(config("dstack", "bodies"), OUT / "bodies.log") as srv, \
             cl.BigBodySender(f"{srv.host}/v2/models/mobilenet_v3_small/infer", 20, 20.0) as sender:
         run(cl.open_loop(srv.host, rates, slos, 2.0))
-        quiet, quiet_health = run(_with_floor(
-            srv.host, cl.open_loop(srv.host, rates, slos, 12.0, seed=4)))
+        quiet = run(cl.open_loop(srv.host, rates, slos, 12.0, seed=4))
         before, cpu0 = rss_mb(srv.pid), cpu_s(srv.pid)
         spans: list[tuple[float, float]] = []
         bigs: list[cl.BigBodiesResult] = []
@@ -390,7 +322,7 @@ def big_bodies(args: argparse.Namespace) -> Row:
             stop.set()
             return await load
 
-        res, health = run(_with_floor(srv.host, storms()))
+        res = run(storms())
         cpu = cpu_s(srv.pid) - cpu0
         time.sleep(2)
         after = rss_mb(srv.pid)
@@ -411,8 +343,6 @@ def big_bodies(args: argparse.Namespace) -> Row:
                    answers_during_storms_by_model={m: len(v) for m, v in during.items()},
                    p99_unloaded_storm_ms_by_model=p99,
                    p99_ratio_by_model={m: round(b / a, 2) for m, (a, b) in p99.items()},
-                   health_p99_unloaded_loaded_ms=(round(cl.pct(quiet_health, 99), 1),
-                                                  round(cl.pct(health, 99), 1)),
                    rss_before_mb=before, rss_after_mb=after)
 
 
@@ -467,7 +397,7 @@ def _server_cost(cfg: Path, model: str, n: int, label: str, frontends: int) -> R
 
         async def all_of(k: int) -> None:
             client = cl.LeanClient(srv.host)
-            req = client.post(f"/v2/models/{model}/infer", *one_item_body(meta))
+            req = client.post(f"/v2/models/{model}/infer", *cl.one_item_body(meta))
             try:
                 await asyncio.gather(*(send(client, req, k // conns) for _ in range(conns)))
             finally:
@@ -678,9 +608,7 @@ def notes(rows: list[Row]) -> str:
                               for k, v in r["refusal_p50_p99_ms_by_reason"].items())
         out.append(f"{r['scenario']}: offered {r['offered_rps']:.0f} rps, goodput "
                    f"{r['goodput_rps']:.1f}/s = {r['goodput_vs_1x']:.2f} of 1x (>= 0.90; "
-                   f"rounds {r['goodput_vs_1x_rounds']}), {vs}HTTP floor (GET health) p50 / "
-                   f"p99 {r['health_p50_p99_ms'][0]:g} / {r['health_p50_p99_ms'][1]:g} ms, "
-                   f"cores used {r['cores_used']}, accepted within SLO "
+                   f"rounds {r['goodput_vs_1x_rounds']}), {vs}accepted within SLO "
                    f"{100 * r['accepted_in_slo']:.1f}% (>= 99%), refusal p50 / p99 "
                    f"{r['refusal_p50_ms']:.1f} / {r['refusal_p99_ms']:.1f} ms (p99 < 5); "
                    f"by reason (p50, p99): {by_reason}")

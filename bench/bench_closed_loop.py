@@ -1,17 +1,8 @@
 """`make bench-closed-loop` (`python -m bench.bench_closed_loop`): the four policies under
-closed-loop clients (issue 15).
-
-For each policy a real server (`configs/bench-mix-<policy>.yaml`: mobilenet_v3_small SLO
-60 ms + resnet18 SLO 250 ms on CPU; a `dstack serve` subprocess on a free 127.0.0.1
-port, polled on `/v2/health/ready`, stopped by PID on every path) and, once it is ready,
-`--clients` tritonclient.http clients per model, one process each, in a closed loop (each
-sends its next one-item request, random float32 of the model's input shape, as soon as
-the last one is answered, or `--refusal-pause` after a 429) for `--duration` seconds.
-Per model: answered within the SLO (latency measured by the client), answered late,
-refused with 429 by the `reason` in the server's body, other 4xx, 5xx, hangs (no answer
-within the `--timeout` of the client), connection and client errors. A table per policy,
-a summary (goodput within SLO, refused %, 5xx, hangs), and every number in
-`out/bench/closed_loop.json`.
+closed-loop clients (issue 15): a real server per policy (the bench mix fitted to this
+machine) and `--clients` tritonclient.http clients per model, one process each
+(`bench.closed_loop`), for `--duration` seconds. A table of outcomes per policy, a summary,
+and every number in `out/bench/closed_loop.json` (docs/benchmarks.md).
 """
 
 from __future__ import annotations

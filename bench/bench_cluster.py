@@ -83,7 +83,7 @@ def highest_scale(host: str, seconds: float, start: float, target: float, log: l
                   ) -> float:
     """The highest scale of `REAL_MIX`'s rates at which every model meets `target`: up by
     x1.4 from `start` until one misses, then a bisection."""
-    from bench.loads import open_loop, p99
+    from bench.chaos_load import open_loop, p99
 
     slos = {n: float(slo) for n, _, slo, _ in REAL_MIX}
 
@@ -93,7 +93,8 @@ def highest_scale(host: str, seconds: float, start: float, target: float, log: l
         att = {m: (o.ok / o.sent if o.sent else 0.0) for m, o in out.items()}  # misses too
         good = all(a >= target for a in att.values())
         line = (f"  scale {scale:6.2f} ({sum(rates.values()):6.1f} rps): " + ", ".join(
-            f"{m} {att[m] * 100:5.1f}% ({o.late} late, {o.refused} refused, {o.error} err, "
+            f"{m} {att[m] * 100:5.1f}% ({o.late} late, {o.refused.total()} refused, "
+            f"{o.errors} err, "
             f"p99 {p99(o):.0f} ms)" for m, o in out.items()) + ("  ok" if good else "  MISS"))
         print(line, flush=True)
         log.append(line)

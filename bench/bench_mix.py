@@ -1,16 +1,8 @@
 """`make bench` (`python -m bench.bench_mix`): the four policies side by side on this
-machine, against the limit (docs/benchmarks.md says what each figure is).
-
-1. **In-process ceiling** per model: the model called directly with the cores and threads a
-   worker gets, at batch 1, 2, 4 and 8 (best of three 0.8 s bursts each).
-2. **Two-model mix** (`configs/bench-mix-<policy>.yaml`): each policy's server under the
-   same open-loop Poisson load at `--scales` of the configured `rate_rps`: goodput within
-   SLO, attainment, p99; the **maximum sustainable rate** (>= 99% on every model).
-3. **Single model** (`configs/bench-single-resnet18-<policy>.yaml`): 8 tritonclient clients
-   in closed loop, in windows alternating with the ceiling's own; on tiny_cnn the same
-   gives the **server overhead** per request.
-4. **Peak RSS** of each server and its workers (VmHWM).
-
+machine, against the model called in process on the same cores: the two-model mix under
+open-loop Poisson load (goodput, attainment, p99, the maximum sustainable rate), resnet18
+alone under 8 tritonclient clients in windows alternating with the in-process ones, the
+server overhead on tiny_cnn, and peak RSS (docs/benchmarks.md says what each figure is).
 Output: a table, `docs/benchmarks.png` and `out/bench/bench.json`.
 """
 
@@ -28,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from bench.loads import TritonClients, open_loop, p99
+from bench.chaos_load import open_loop, p99
 from bench.servers import (
     ROOT,
     Server,
     cpu_s,
+    get_json,
     model_stats,
     models_of,
     peak_rss_mb,
@@ -146,6 +139,73 @@ def figure(s: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ the servers
 
 
+class TritonClients:
+    """`n` tritonclient aio clients (one each) for `model`, kept connected across windows;
+    `window()` runs them in a closed loop."""
+
+    def __init__(self, host: str, model: str, n: int) -> None:
+        import tritonclient.http.aio as aio
+        from tritonclient.http import InferInput
+
+        meta = get_json(f"{host}/v2/models/{model}")
+        t = meta["inputs"][0]
+        x = np.random.default_rng(0).random([1, *t["shape"][1:]], dtype=np.float32)
+        self.model = model
+        self.clients = [aio.InferenceServerClient(host.removeprefix("http://"))
+                        for _ in range(n)]
+        self.inp = InferInput(t["name"], list(x.shape), "FP32")
+        self.inp.set_data_from_numpy(x, binary_data=True)
+
+    async def window(self, duration_s: float, slo_ms: float, warmup_s: float = 0.0
+                     ) -> tuple[float, float, float, int]:
+        """(req/s, goodput within the SLO, p99 ms, requests refused) in steady state: each
+        client's requests started after the first `warmup_s` and answered within the next
+        `duration_s`, over the time from the first one's start to the last one's answer
+        (answers counted in a fixed window are off by up to a whole batch)."""
+        from tritonclient.utils import InferenceServerException
+
+        lat: list[float] = []
+        rps = good_rps = 0.0
+        refused = 0
+        begin = time.perf_counter() + warmup_s
+        end = begin + duration_s
+
+        async def loop(c: Any) -> None:
+            nonlocal rps, good_rps, refused
+            first = last = 0.0
+            answered = ok = 0
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= end:
+                    break
+                try:
+                    await c.infer(self.model, [self.inp])
+                    done = True
+                except InferenceServerException:
+                    done = False  # refused (429/503): counts against goodput, not a crash
+                t1 = time.perf_counter()
+                if t0 < begin or t1 > end:
+                    continue
+                if not first:
+                    first = t0
+                last = t1
+                refused += not done
+                if done:
+                    answered += 1
+                    lat.append((t1 - t0) * 1000)
+                    ok += lat[-1] <= slo_ms
+            if last > first:
+                rps += answered / (last - first)
+                good_rps += ok / (last - first)
+
+        await asyncio.gather(*(loop(c) for c in self.clients))
+        p99 = float(np.percentile(lat, 99)) if lat else float("nan")
+        return rps, good_rps, p99, refused
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+
 def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) -> dict[str, Any]:
     config = ROOT / f"configs/bench-mix-{policy}.yaml"
     base, slos = rates_slos(config)
@@ -163,9 +223,9 @@ def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) ->
                 "goodput_rps": ok / seconds,
                 "attainment": ok / sent if sent else 0.0,
                 "per_model": {m: {"sent": o.sent, "ok": o.ok, "late": o.late,
-                                  "refused": o.refused, "error": o.error,
+                                  "refused": o.refused.total(), "error": o.errors,
                                   "attainment": o.ok / o.sent if o.sent else 0.0,
-                                  "p99_ms": p99(o), "lag_ms": o.lag_ms}
+                                  "p99_ms": p99(o)}
                               for m, o in res.items()},
             })
             print(f"  {policy:8s} x{s:<4g} offered {sum(rates.values()):6.1f} rps  goodput "

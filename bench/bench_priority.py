@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from bench.loads import open_loop
+from bench.chaos_load import open_loop
 from bench.servers import ROOT, serving
 from dstack.common.config import PolicyName, parse_config
 from dstack.policies.planning import served_profiles

@@ -1,17 +1,9 @@
 """The server's CPU per request by protocol, side by side in one run against one server:
 HTTP with binary tensors, gRPC, and system shared memory (over HTTP and over gRPC), each
-a 600 KB batch-1 request of a model of next to no compute (`pool_linear`, the accept-cost
-model of `bench.bench_chaos`: what the server's own process spends, not the model).
-
-The server's CPU (user + kernel, from /proc/PID/stat: its own process, and all of its
-processes, the worker too) is read before and after `--seconds` of each protocol, sent in
-closed loop by each of `--clients` threads with unmodified tritonclient clients (each
-shared-memory client with its own input and output regions), after `--warmup` requests of
-it. With `--triton-python`, Triton (PyTriton, `bench.bench_triton`) serves the same model
-with the same batching beside it and each window runs against both in turn (its own
-process: tritonserver; all: with PyTriton's Python process, where the model runs, and the
-Python backend's stub). Printed: CPU per request, requests a second, the ratio of each to
-HTTP's, and dstack / Triton; written to out/bench/protocols.json.
+a 600 KB batch-1 request of a model of next to no compute (`pool_linear`), sent in closed
+loop by `--clients` threads of unmodified tritonclient clients; with `--triton-python`,
+Triton (`bench.bench_triton`) beside it. Written to out/bench/protocols.json
+(docs/benchmarks.md, docs/shared-memory.md).
 
     python -m bench.bench_protocols --seconds 10 --clients 8,64 [--triton-python PYTHON]
 """
@@ -37,8 +29,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from bench.bench_triton import triton_serving
-from bench.chaos_load import cpu_user_sys_s
-from bench.servers import ROOT, free_port, get_json, serving
+from bench.servers import ROOT, cpu_user_sys_s, free_port, get_json, serving
 
 OUT = ROOT / "out" / "bench"
 MODEL = "image"

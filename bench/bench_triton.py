@@ -30,8 +30,7 @@ import numpy as np
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repository root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_mix import InProcess, ceiling_ratio, figure  # noqa: E402
-from bench.loads import TritonClients  # noqa: E402
+from bench.bench_mix import InProcess, TritonClients, ceiling_ratio, figure  # noqa: E402
 from bench.servers import ROOT, free_port, interrupt, models_of, serving, wait_ready  # noqa: E402
 
 SLO_MS = 3000.0

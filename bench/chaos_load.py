@@ -1,7 +1,7 @@
-"""Load for the chaos benchmark (`bench/bench_chaos.py`) and the soak (`bench/soak.py`):
-open-loop Poisson infer requests sent by a lean HTTP/1.1 client with every outcome counted,
-big bodies from a child process, bodies over the limit, slowloris sockets, stalled uploads,
-and the fuzzer's cases on raw sockets.
+"""Load for the benchmarks, over the wire protocol only: open-loop infer requests (Poisson,
+or at given instants) sent by a lean HTTP/1.1 client with every outcome counted, and, for
+the chaos benchmark (`bench/bench_chaos.py`), big bodies from a child process, bodies over
+the limit, slowloris sockets, stalled uploads and the fuzzer's cases on raw sockets.
 
 Outcomes, per request: `ok` (200 within the SLO), `late` (200 after it), `refused` (429
 by its body's "reason"; 503 with Retry-After as "unavailable"), `other_4xx`, `err_5xx`
@@ -24,8 +24,8 @@ import httptools
 import numpy as np
 
 from bench.fuzz_requests import decode_json_error, fuzz_case, parse_status, wire_bytes
-from bench.loads import one_item_body, poisson_arrivals
-from bench.servers import cpu_user_sys_s, get_json  # noqa: F401 (bench_protocols imports it here)
+from bench.servers import get_json
+from server import codec
 
 #: An answer: status, body, headers (names lower-case).
 Answer = tuple[int, bytes, dict[str, str]]
@@ -168,6 +168,11 @@ class Tally:
     def accepted(self) -> int:
         return self.ok + self.late
 
+    @property
+    def errors(self) -> int:
+        """Neither answered nor refused: other 4xx, 5xx, hung, connection failed."""
+        return self.other_4xx + self.err_5xx + self.hung + self.conn
+
     def latencies_within(self, spans: list[tuple[float, float]]) -> list[float]:
         """Latencies (ms) of the answers whose request was under way during any of `spans`
         (perf_counter() intervals)."""
@@ -207,6 +212,11 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def p99(t: Tally) -> float:
+    """p99 latency (ms) of the answered requests; NaN when none was answered."""
+    return pct(t.latencies_ms, 99)
+
+
 def total(tallies: dict[str, Tally]) -> Tally:
     t = Tally()
     for x in tallies.values():
@@ -219,8 +229,8 @@ class Burner:
     `cores` x the clock) until the block ends: the CPU and the cache traffic of a client
     sending 600 KB bodies, without the requests. `pid` is the process's."""
 
-    def __init__(self, cores: float, nice: int = 0) -> None:
-        self.cores, self.nice = cores, nice
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
         self._proc: Any = None
 
     @property
@@ -233,7 +243,7 @@ class Burner:
 
         self._proc = subprocess.Popen(
             [sys.executable, "-c",
-             f"from bench.chaos_load import _burn; _burn({self.cores!r}, {self.nice!r})"],
+             f"from bench.chaos_load import _burn; _burn({self.cores!r})"],
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             stdout=subprocess.PIPE)
         if not self._proc.stdout.readline():  # its start-up done, or it died
@@ -247,8 +257,7 @@ class Burner:
         self._proc.stdout.close()
 
 
-def _burn(cores: float, nice: int, chunk: int = 600_000) -> None:
-    os.nice(nice)
+def _burn(cores: float, chunk: int = 600_000) -> None:
     src = bytearray(chunk)
     print("burning", flush=True)
     t0, c0 = time.monotonic(), time.process_time()
@@ -259,21 +268,46 @@ def _burn(cores: float, nice: int, chunk: int = 600_000) -> None:
             time.sleep(0.0005)
 
 
+def one_item_body(model_meta: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    t = model_meta["inputs"][0]
+    x = np.random.default_rng(0).random([1, *t["shape"][1:]], dtype=np.float32)
+    body, hlen = codec.encode_request({t["name"]: x})
+    return body, {"Content-Type": "application/octet-stream", codec.HEADER_LENGTH: str(hlen)}
+
+
+def poisson_arrivals(rng: np.random.Generator, rates: dict[str, float], duration_s: float
+                     ) -> list[tuple[float, str]]:
+    """`(instant s, model)` of Poisson arrivals per model at `rates` (rps; a model at 0
+    gets none) for `duration_s`, in time order."""
+    arrivals: list[tuple[float, str]] = []
+    for m, rate in rates.items():
+        if rate > 0:
+            times = np.cumsum(rng.exponential(1 / rate, int(rate * duration_s * 2) + 10))
+            arrivals += [(float(t), m) for t in times[times < duration_s]]
+    return sorted(arrivals)
+
+
 async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float],
-                    duration_s: float, *, seed: int = 1, hang_s: float = 10.0,
-                    max_inflight: int = 1024, stop: asyncio.Event | None = None,
-                    fresh_connections: bool = False) -> dict[str, Tally]:
-    """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (or until
-    `stop` is set); each request one item, binary, sent by `LeanClient` (cheap in this
+                    duration_s: float, *, seed: int = 1, **kw: Any) -> dict[str, Tally]:
+    """Poisson arrivals per model at `rates` (requests/s) for `duration_s` (`send_at`)."""
+    arrivals = poisson_arrivals(np.random.default_rng(seed), rates, duration_s)
+    return await send_at(host, arrivals, {m: slos_ms[m] for m in rates}, **kw)
+
+
+async def send_at(host: str, arrivals: list[tuple[float, str]], slos_ms: dict[str, float], *,
+                  hang_s: float = 10.0, max_inflight: int = 1024,
+                  stop: asyncio.Event | None = None, fresh_connections: bool = False
+                  ) -> dict[str, Tally]:
+    """One one-item binary infer request per `(instant s, model)` of `arrivals` (sorted),
+    each sent at its instant (open loop; until `stop` is set) by `LeanClient` (cheap in this
     process, which shares the server's cores). Latency from send to full answer.
     `fresh_connections`: each request on a new connection, closed after it (as from many
     clients), instead of kept-alive ones reused."""
-    rng = np.random.default_rng(seed)
-    metas = {m: get_json(f"{host}/v2/models/{m}") for m in rates}
+    metas = {m: get_json(f"{host}/v2/models/{m}") for m in slos_ms}
     client = LeanClient(host, fresh=fresh_connections)
     requests = {m: client.post(f"/v2/models/{m}/infer", *one_item_body(metas[m]))
-                for m in rates}
-    out = {m: Tally() for m in rates}
+                for m in slos_ms}
+    out = {m: Tally() for m in slos_ms}
     sem = asyncio.Semaphore(max_inflight)
 
     async def one(m: str) -> None:
@@ -294,7 +328,6 @@ async def open_loop(host: str, rates: dict[str, float], slos_ms: dict[str, float
             t.record(status, data, rh, (t1 - t0) * 1000, slos_ms[m], t1)
 
     try:
-        arrivals = poisson_arrivals(rng, rates, duration_s)
         t_start = time.perf_counter()
         tasks = []
         for at, m in arrivals:
@@ -384,14 +417,13 @@ class BigBodySender:
     (built there once), so that the process timing other traffic holds no delay of its
     own from sending hundreds of MB; `send()` is one storm."""
 
-    def __init__(self, url: str, n: int, mb: float, hang_s: float = 120.0,
-                 nice: int = 0) -> None:
+    def __init__(self, url: str, n: int, mb: float, hang_s: float = 120.0) -> None:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         self.url, self.n, self.hang_s = url, n, hang_s
         self._pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"),
-                                         initializer=_big_body_init, initargs=(mb, nice))
+                                         initializer=_big_body_init, initargs=(mb,))
         self.body_bytes = self._pool.submit(_big_body_len).result(120)
 
     def __enter__(self) -> BigBodySender:
@@ -408,9 +440,8 @@ class BigBodySender:
 _BODY = b""
 
 
-def _big_body_init(mb: float, nice: int) -> None:
+def _big_body_init(mb: float) -> None:
     global _BODY
-    os.nice(nice)
     _BODY = big_json(mb)
 
 
