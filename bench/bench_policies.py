@@ -10,6 +10,9 @@ out/bench/bench_policies.json. The exit code is 0 whatever the figures.
 
     .venv/bin/python -m bench.bench_policies [--mixes 40] [--seed 1] [--duration 60] [--jobs 2]
     .venv/bin/python -m bench.bench_policies --config configs/reference-v100.yaml
+
+Instead of the suite, speed: `--speed` one simulated hour of 10 models per policy
+(docs/simulator.md), `--plan-time` and `--compare` the lane planner (docs/optimizer.md).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from dstack.common.config import DeployConfig, PolicyName, load_config, parse_config
-from dstack.common.types import Profile, load_profiles
+from dstack.common.types import Profile, load_profiles, scaled
 from dstack.policies.planning import served_profiles
-from dstack.simulate import cost_per_request_s, generate, latency_ms, simulate
+from dstack.simulate import cost_per_request_s, format_table, generate, latency_ms, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles"
@@ -116,14 +119,15 @@ def _profiles(device_dir: str) -> dict[str, Profile]:
 
 
 def draw_mix(seed: int, index: int, duration_s: float = DEFAULT_DURATION_S,
-             max_requests: int = DEFAULT_MAX_REQUESTS) -> Mix:
+             max_requests: int = DEFAULT_MAX_REQUESTS,
+             models_range: tuple[int, int] = MODELS_RANGE) -> Mix:
     """Mix `index` of the suite for `seed` (independent of how many mixes are drawn)."""
     order = np.random.default_rng([seed, 0x5EED]).permutation(len(DEVICES))
     device_dir = DEVICES[int(order[index % len(DEVICES)])]
     rng = np.random.default_rng([seed, index])
     profiles = _profiles(device_dir)
     names = sorted(profiles)
-    k = int(rng.integers(MODELS_RANGE[0], MODELS_RANGE[1] + 1))
+    k = int(rng.integers(models_range[0], models_range[1] + 1))
     distinct = [names[int(i)] for i in rng.permutation(len(names))[:k]]
     extra = [names[int(i)] for i in rng.integers(0, len(names), k - len(distinct))]
     zoos = distinct + extra
@@ -398,6 +402,124 @@ def summarise_bursty(results: list[MixResult]) -> tuple[dict[str, Any], list[str
     return fig, lines
 
 
+# ------------------------------------------------------------------ speed
+
+
+def simulator_speed(policies: list[str], duration_s: float, seed: int) -> None:
+    """`duration_s` simulated (an hour: 3.6 M requests) of 10 models at 100 rps each, the
+    reference V100 profiles scaled x0.5-x1.4, per policy: the wall time of its event loop,
+    the CPU time of its whole run (on a shared machine the wall time counts the other
+    processes' turns too), its decisions."""
+    from dstack.simulate.engine import COMPILED
+
+    base = _profiles("reference-v100")
+    kinds = ["alexnet", "resnet50", "alexnet", "vgg19", "alexnet",
+             "resnet50", "alexnet", "alexnet", "resnet50", "alexnet"]
+    factors = [0.5, 0.6, 0.7, 0.5, 0.9, 0.7, 1.0, 1.2, 0.8, 1.4]
+    slos = {"alexnet": 60.0, "resnet50": 120.0, "vgg19": 200.0}
+    profiles, models = {}, []
+    for i, (k, f) in enumerate(zip(kinds, factors, strict=True)):
+        name = f"m{i}-{k}"
+        profiles[name] = replace(scaled(base[k], f), model=name)
+        models.append({"name": name, "slo_ms": slos[k], "max_batch_size": 32, "rate_rps": 100})
+    cfg = parse_config({"device": "cuda", "policy": "shared", "models": models})
+    t0 = time.perf_counter()
+    arrivals = generate("poisson", {m["name"]: 100.0 for m in models}, duration_s, seed)
+    print(f"workload: {arrivals.times.size} requests in {time.perf_counter() - t0:.1f} s; "
+          f"event loop {'compiled' if COMPILED else 'uncompiled (Python)'}")
+    reports = []
+    for pol in policies:
+        cpu0 = time.process_time()
+        sim = simulate(cfg, profiles, arrivals, [PolicyName(pol)], duration_s)
+        cpu = time.process_time() - cpu0
+        setup_s, wall = sim.wall_s[pol]
+        r = sim.reports[0]
+        reports.append(r)
+        print(f"{pol:9s} event loop {wall:6.1f} s wall, run {cpu:6.1f} s CPU, for "
+              f"{duration_s:g} simulated s ({duration_s / wall:5.0f}x real time; "
+              f"{r.decisions} policy decisions, "
+              f"{wall / max(r.decisions, 1) * 1e6:.0f} us per decision incl. its events); "
+              f"setup + solve {setup_s:.1f} s", flush=True)
+    print(format_table(reports))
+
+
+H100 = "nvidia-h100-80gb-hbm3"
+#: Up to this many models `compare` also solves the MILP over every lane (the optimum).
+EXACT_UP_TO = 8
+
+
+def sized_mix(n: int, seed: int, device: str | None = None, start: int = 0) -> Mix:
+    """The first suite mix (from index `start`) of `n` models, on `device` if given."""
+    while (mix := draw_mix(seed, start, models_range=(n, n))).device_dir != (device
+                                                                            or mix.device_dir):
+        start += 1
+    return mix
+
+
+def plan_time(sizes: list[int], seeds: int = 3, repeat: int = 3) -> None:
+    """The time `plan_lanes` (what `dstack plan`, the server and the simulator run) takes
+    on H100 mixes of each size, each mix's median of `repeat`, with how its search ended."""
+    from dstack.policies import lane_planning
+
+    print(f"plan time: plan_lanes on H100 mixes (each mix's median of {repeat} run(s))")
+    for n in sizes:
+        times = []
+        for seed in range(seeds):
+            cfg = mix_config(sized_mix(n, seed, H100))
+            profiles = served_profiles(cfg, check_device=False)
+            runs = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                plan, _, _ = lane_planning.plan_lanes(cfg, profiles, None)
+                runs.append(time.perf_counter() - t0)
+            times.append(statistics.median(runs))
+            print(f"  {n:3d} models seed {seed}: {times[-1]:7.3f} s  G {plan.objective:9.1f}  "
+                  f"{len(plan.lanes):2d} lanes  {plan.status.value:10s} {plan.search}")
+        print(f"  {n:3d} models: median {statistics.median(times):.3f} s, "
+              f"max {max(times):.3f} s")
+
+
+def compare(lo: int, hi: int, seed: int) -> None:
+    """On mixes of `lo`-`hi` models (one per device and size), the predicted goodput G of
+    the greedy merge search's plan and of the MILP's, every model placed; up to
+    EXACT_UP_TO models also the optimum (the MILP over every subset at every width)."""
+    from dstack.policies import lane_planning
+    from optimizer import lane_milp
+    from optimizer.lanes import Lanes
+
+    print(f"MILP against greedy, mixes of {lo}-{hi} models (seed {seed}), every model placed")
+    print(f"  {'mix':12s} {'n':>3s} {'greedy G':>10s} {'MILP G':>10s} {'MILP/greedy':>11s} "
+          f"{'greedy s':>8s} {'MILP s':>7s}  status")
+    wins = {"milp": 0, "tie": 0, "greedy": 0}
+    for n in range(lo, hi + 1):
+        for k in range(len(DEVICES)):
+            mix = sized_mix(n, seed, start=k)
+            cfg = mix_config(mix)
+            profiles = served_profiles(cfg, check_device=False)
+            backend = lane_planning.backend_of(profiles)
+            inst = lane_planning._instance(cfg, profiles, backend, None,
+                                           lane_planning.LATENCY_MARGIN)[0]
+            t0 = time.perf_counter()
+            greedy = Lanes(inst).greedy()
+            t1 = time.perf_counter()
+            best = lane_milp.search(Lanes(inst), drop=False)
+            t2 = time.perf_counter()
+            exact = ""
+            if n <= EXACT_UP_TO:  # every lane a candidate: the optimum, for reference
+                full = lane_milp.search(Lanes(inst), drop=False, exact_max=n,
+                                        time_limit_s=60.0)
+                exact = f"; optimum {full.value:.1f} ({full.value / best.value:.4f}x MILP)"
+            ratio = best.value / greedy.value if greedy.value > 0 else 1.0
+            who = "milp" if ratio > 1 + 1e-6 else "greedy" if ratio < 1 - 1e-6 else "tie"
+            wins[who] += 1
+            dev = DEVICE_SHORT.get(mix.device_dir, mix.device_dir)
+            print(f"  {mix.id + ' ' + dev:12s} {n:3d} {greedy.value:10.1f} {best.value:10.1f} "
+                  f"{ratio:11.4f} {t1 - t0:8.2f} {t2 - t1:7.2f}  "
+                  f"{best.status.describe() if best.status else ''}{exact}")
+    print(f"  MILP higher on {wins['milp']}, equal on {wins['tie']}, greedy higher on "
+          f"{wins['greedy']}")
+
+
 def _run_all(mixes: list[Mix], jobs: int):  # noqa: ANN202 (an iterator of MixResult)
     if jobs <= 1 or len(mixes) <= 1:
         return map(run_mix, mixes)
@@ -410,8 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mixes", type=int, default=40, help="random mixes (default 40)")
     ap.add_argument("--seed", type=int, default=1, help="suite seed (default 1)")
-    ap.add_argument("--duration", type=float, default=DEFAULT_DURATION_S,
-                    help="virtual seconds per mix at most (default %(default)g)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help=f"virtual seconds per mix at most (default {DEFAULT_DURATION_S:g}; "
+                         "--speed: 3600)")
     ap.add_argument("--max-requests", type=int, default=DEFAULT_MAX_REQUESTS,
                     help="shorten a mix's run so about this many requests arrive (never "
                          f"below {MIN_DURATION_S:g} s; default %(default)d)")
@@ -425,7 +548,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the configs/reference-v100.yaml row")
     ap.add_argument("--out", help=f"JSON results (default {DEFAULT_OUT.relative_to(ROOT)} "
                                   "for the suite, none for --config)")
+    ap.add_argument("--speed", nargs="?", const=",".join(POLICIES), metavar="POLICIES",
+                    help="instead: the simulator's speed on an hour of 10 models, per policy")
+    ap.add_argument("--plan-time", type=int, nargs="+", metavar="N",
+                    help="instead: plan_lanes's time on H100 mixes of N models")
+    ap.add_argument("--compare", type=int, nargs=2, metavar=("LO", "HI"),
+                    help="instead: the lane MILP against the greedy on mixes of LO-HI models")
     args = ap.parse_args(argv)
+    if args.speed or args.plan_time or args.compare:
+        if args.speed:
+            simulator_speed(args.speed.split(","), args.duration or 3600.0, args.seed)
+        if args.plan_time:
+            plan_time(args.plan_time)
+        if args.compare:
+            compare(*args.compare, args.seed)
+        return 0
+    args.duration = args.duration or DEFAULT_DURATION_S
     t0 = time.perf_counter()
     if args.config:
         mix = config_mix(args.config, args.seed, args.duration, args.max_requests,
