@@ -7,6 +7,7 @@ imports happen inside the subcommand so that `dstack models` stays quick.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -178,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ProfileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `dstack models | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit's flush
+        return 141  # as a shell reports a process killed by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -57,3 +57,15 @@ def test_simulate_rejects_bad_flags_naming_them(
         flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--config", CONFIG, *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`dstack models | head -1`: the reader closes the pipe; the command stops quietly.
+    (`true` reads nothing and exits at once, so every write meets a closed pipe.)"""
+    import subprocess
+    import sys
+
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m dstack.cli models | true"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
