@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -259,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{pol} x{scale:g}: {point['arrived']} arrivals; goodput real "
                   f"{_cell(real, 'goodput_rps', '.2f')}, sim "
                   f"{_cell(point['sim'], 'goodput_rps', '.2f')} rps", flush=True)
-    results["checks"] = [{"scale": c.scale, "what": c.what, "value": c.value,
-                          "target": c.target, "met": c.met} for c in checks(results["points"])]
+    results["checks"] = [asdict(c) for c in checks(results["points"])]
     results["elapsed_s"] = time.monotonic() - t_all
     results["load_average_end"] = os.getloadavg()
     print(report(results))

@@ -188,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of closed loop per policy (10 or 10s)")
     ap.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[2],
                     help="clients per model; several (2,8) run one after another")
-    ap.add_argument("--timeout", type=_seconds, default=TIMEOUT_S,
-                    help="a request not answered in this many seconds is a hang")
     ap.add_argument("--refusal-pause", type=_milliseconds, default=REFUSAL_PAUSE_S,
                     help="how long a refused client waits before it sends again "
                          f"(default {1000 * REFUSAL_PAUSE_S:g}ms; 0 sends again at once)")
@@ -215,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     results: dict[str, Any] = {
         "duration_s": args.duration, "clients_per_model": args.clients,
-        "timeout_s": args.timeout, "refusal_pause_s": args.refusal_pause,
+        "timeout_s": TIMEOUT_S, "refusal_pause_s": args.refusal_pause,
         "settings": args.set, "cores": sorted(os.sched_getaffinity(0)),
         "load_average_start": os.getloadavg(), "runs": {}}
     if args.capacity:
@@ -236,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for pol in policies:
             try:
                 counts, rss = run_policy(pol, outdir, clients=clients,
-                                         duration_s=args.duration, timeout_s=args.timeout,
+                                         duration_s=args.duration,
                                          refusal_pause_s=args.refusal_pause,
                                          settings=args.set,
                                          triton_python=args.triton_python)

@@ -159,8 +159,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--duration", type=float, default=20.0, help="virtual seconds")
-    ap.add_argument("--scale-models", type=int, default=200)
-    ap.add_argument("--scale-nodes", type=int, default=64)
     args = ap.parse_args()
     if args.real:
         return run_real(args.real_seconds, args.target, Path(args.out))
@@ -199,11 +197,11 @@ def main() -> int:
     print(f"--nodes auto: {got[0] if got else 'none'} H100s serve every model within its SLO "
           f"(predicted; {auto_s:.1f} s); one model per GPU: {alone} H100s")
 
-    big = random_cluster(args.scale_models, args.scale_nodes, args.seed, load=args.load)
+    big = random_cluster(200, 64, args.seed, load=args.load)
     bp = ClusterPlanner(big)
     t0 = time.perf_counter()
     p = bp.place()
-    print(f"placement of {args.scale_models} models on {args.scale_nodes} H100s: "
+    print("placement of 200 models on 64 H100s: "
           f"{time.perf_counter() - t0:.2f} s ({p.method}, {p.evaluations} node plans), "
           f"predicted weighted goodput {p.value:.0f} of {sum(m.rate_rps for m in big.models):.0f}"
           f" rps, {len(bp.served_whole(p))} models short of their rate")

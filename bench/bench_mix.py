@@ -329,8 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each load point")
     ap.add_argument("--single-rounds", type=int, default=36,
                     help="single-model runs: server windows, each beside an in-process one")
-    ap.add_argument("--single-window", type=float, default=1.0,
-                    help="single-model runs: seconds measured per window")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default="out/bench")
     ap.add_argument("--plot", default="docs/benchmarks.png")
@@ -363,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     for pol in policies:
         r = bench_single(ROOT / f"configs/bench-single-resnet18-{pol}.yaml", "resnet18",
                          outdir, cores=cores, batches=contenders(ceil["resnet18"]),
-                         rounds=args.single_rounds, window_s=args.single_window)
+                         rounds=args.single_rounds)
         results["single"][pol] = r
         print(f"  resnet18 {pol:8s} {r['rps']:6.1f} req/s  goodput {r['goodput_rps']:6.1f}  "
               f"= {figure(r)}  p99 {r['p99_ms']:.0f} ms; worker busy "
@@ -373,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     # Not a target, only the per-request overhead: a third of the rounds will do.
     tiny = bench_single(ROOT / "configs/bench-single-tiny_cnn-shared.yaml", "tiny_cnn",
                         outdir, cores=cores, batches=contenders(ceil["tiny_cnn"]),
-                        rounds=max(3, args.single_rounds // 3), window_s=args.single_window)
+                        rounds=max(3, args.single_rounds // 3))
     tiny["ratio_to_ceiling"] = tiny["rps_ratio_to_ceiling"]
     tiny["server_us_per_request"] = 1e6 / tiny["rps"] - 1e6 / tiny["ceiling_items_s"]
     results["overhead_tiny_cnn"] = tiny

@@ -164,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10, help="closed loop per protocol")
     p.add_argument("--warmup", type=int, default=40, help="requests per protocol first")
     p.add_argument("--clients", default="8,64", help="client threads; several run in turn")
-    p.add_argument("--protocols", default=",".join(PROTOCOLS),
-                   help=f"comma-separated, of {', '.join(PROTOCOLS)}")
     p.add_argument("--triton-python", default="", metavar="PYTHON",
                    help="also Triton: PyTriton under this Python (`make bench-triton`)")
     args = p.parse_args(argv)
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         x = np.random.default_rng(0).random([1, *meta["inputs"][0]["shape"][1:]],
                                             dtype=np.float32)
         for clients in map(int, args.clients.split(",")):
-            for protocol in args.protocols.split(","):
+            for protocol in PROTOCOLS:
                 for name, (host, grpc_url, pids) in servers.items():
                     make = partial(Client, protocol, host.removeprefix("http://"), grpc_url, x,
                                    out_bytes)

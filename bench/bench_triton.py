@@ -1,15 +1,10 @@
-"""Benchmark: dstack against Triton on issue 2's single-model figure, side by side.
+"""Benchmark: dstack against Triton on issue 2's single-model figure, side by side:
+resnet18 served by dstack and by Triton (`bench/pytriton_serve.py`: PyTriton, same batching
+settings), each under 8 tritonclient aio clients in closed loop, in 1 s windows alternating
+in random order with the model in process at b2, b4, b8 (docs/benchmarks.md).
+`triton_serving` here starts Triton for `make bench-triton` too.
 
-resnet18 served by dstack (`configs/bench-single-resnet18-shared.yaml`) and by Triton
-(`bench/pytriton_serve.py`: PyTriton, same batching settings), each under 8 tritonclient
-aio clients in closed loop, in 1 s windows alternating in random order with 1 s windows of
-the model in process at b2, b4, b8 in turn (`bench.bench_mix.ceiling_ratio`). Prints each
-server's goodput against the in-process ceiling and dstack / Triton per round. PyTriton
-lives in its own venv, `.venv-triton`, which `make bench-triton` makes before it runs
-`bench.bench_closed_loop` and `bench.bench_protocols` with `--triton-python`;
-`triton_serving` here starts Triton for them.
-
-    .venv/bin/python bench/bench_triton.py --python .venv-triton/bin/python [--rounds 30]
+    .venv/bin/python -m bench.bench_triton --python .venv-triton/bin/python [--rounds 30]
 """
 
 from __future__ import annotations

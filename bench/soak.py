@@ -26,15 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.7, help="fraction of capacity")
     p.add_argument("--capacity-scale", type=float, default=1.0,
                    help="capacity as a multiple of the mix's rate_rps")
-    p.add_argument("--window-seconds", type=float, default=60.0)
     p.add_argument("--frontends", type=int, default=1,
                    help="server.frontends: front-end processes (1: the server alone)")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     base, slos = rates_slos(MIX)
     rates = {m: r * args.capacity_scale * args.load for m, r in base.items()}
-    windows = max(1, round(args.minutes * 60 / args.window_seconds))
-    print(f"soak: {windows} x {args.window_seconds:g} s at {args.load:g} of capacity ("
+    windows = max(1, round(args.minutes))
+    print(f"soak: {windows} x 60 s at {args.load:g} of capacity ("
           + ", ".join(f"{m} {r:.1f} rps" for m, r in rates.items())
           + f"); {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}", flush=True)
     per_window = []
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                 **{f"front end {i}": pid for i, pid in enumerate(front_ends(srv.pid), 1)}}
         t0 = time.monotonic()
         for w in range(windows):
-            res = run(cl.open_loop(srv.host, rates, slos, args.window_seconds, seed=w + 1))
+            res = run(cl.open_loop(srv.host, rates, slos, 60.0, seed=w + 1))
             t = cl.total(res)
             total.add(t)
             rss = {k: rss_mb(pid) for k, pid in pids.items()}
