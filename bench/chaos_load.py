@@ -408,7 +408,7 @@ def big_json(mb: float) -> bytes:
 @dataclass(frozen=True, slots=True)
 class BigBodiesResult:
     statuses: dict[str, int]  # "200", "429", "503", or the client error's name -> count
-    seconds_by_status: dict[str, tuple[float, float]]  # status -> (fastest, slowest) answer
+    slowest_s: dict[str, float]  # status -> its slowest answer
     cpu_s: float  # CPU the sending process used while sending
 
 
@@ -450,86 +450,57 @@ def _big_body_len() -> int:
 
 
 def _big_body_storm(url: str, n: int, hang_s: float) -> BigBodiesResult:
-    """`n` concurrent POSTs of the body, one blocking connection per thread: `sendall`
-    hands the kernel the body as it is (aiohttp moved the rest of a 60 MB body at each
-    piece sent: 4 s of CPU for 20 bodies, on the workers' cores)."""
+    cpu0 = time.process_time()
+    got = post_bodies(url, _BODY, n, n, hang_s)
+    return BigBodiesResult({k: len(v) for k, v in sorted(got.items())},
+                           {k: max(v) for k, v in sorted(got.items())},
+                           time.process_time() - cpu0)
+
+
+def post_bodies(url: str, body: bytes, n: int, threads: int, hang_s: float, *,
+                variants: bool = False) -> dict[str, list[float]]:
+    """`n` POSTs of `body` to `url` from `threads` threads on kept-alive http.client
+    connections: it sends a whole body before it reads, and `sendall` hands the kernel the
+    body as it is (aiohttp moved the rest of a 60 MB body at each piece sent: 4 s of CPU
+    for 20 bodies, on the workers' cores). With `variants`, of every four: a declared
+    length, the same with `Connection: close`, chunked, chunked with `Connection: close`.
+    What each got (a status, or the error's name) -> the seconds each took."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import urlsplit
 
-    u = urlsplit(url)
+    u, piece = urlsplit(url), 1 << 16
+    got: dict[str, list[float]] = {}
 
-    def one(_: int) -> tuple[str, float]:
-        t0 = time.perf_counter()
-        c = http.client.HTTPConnection(u.hostname, u.port, timeout=hang_s)
-        try:
-            c.request("POST", u.path, body=_BODY, headers={"Content-Type": "application/json"})
-            r = c.getresponse()
-            r.read()
-            status = str(r.status)
-        except (OSError, http.client.HTTPException) as e:
-            status = type(e).__name__
-        finally:
-            c.close()
-        return status, time.perf_counter() - t0
-
-    cpu0 = time.process_time()
-    with ThreadPoolExecutor(n) as pool:
-        answers = list(pool.map(one, range(n)))
-    by: dict[str, list[float]] = {}
-    for status, s in answers:
-        by.setdefault(status, []).append(s)
-    return BigBodiesResult({k: len(v) for k, v in sorted(by.items())},
-                           {k: (min(v), max(v)) for k, v in sorted(by.items())},
-                           time.process_time() - cpu0)
-
-
-def over_limit_uploads(host: str, port: int, n: int, size: int, threads: int,
-                       hang_s: float) -> tuple[Counter, float]:
-    """`n` POSTs of `size` bytes (over the server's limit) from `threads` threads on
-    kept-alive http.client connections (it sends a whole body before it reads): of every
-    four, a declared length, the same with `Connection: close`, chunked, chunked with
-    `Connection: close`. What each got (a status, or the error) -> count, and the slowest
-    answer in seconds."""
-    import http.client
-    from concurrent.futures import ThreadPoolExecutor
-
-    body, piece, path = b"x" * size, 1 << 16, "/v2/models/tiny_cnn/infer"
-
-    def one_thread(k: int) -> tuple[Counter, float]:
-        got: Counter = Counter()
-        slowest = 0.0
+    def one_thread(k: int) -> None:
         c: http.client.HTTPConnection | None = None
         for i in range(k, n, threads):
             headers = {"Content-Type": "application/json",
-                       **({"Connection": "close"} if i % 2 == 1 else {})}
-            c = c or http.client.HTTPConnection(host, port, timeout=hang_s)
+                       **({"Connection": "close"} if variants and i % 2 == 1 else {})}
+            c = c or http.client.HTTPConnection(u.hostname, u.port, timeout=hang_s)
             t0 = time.perf_counter()
             try:
-                if i % 4 >= 2:  # chunked
-                    c.request("POST", path, encode_chunked=True,
-                              body=(body[j:j + piece] for j in range(0, size, piece)),
+                if variants and i % 4 >= 2:  # chunked
+                    c.request("POST", u.path, encode_chunked=True,
+                              body=(body[j:j + piece] for j in range(0, len(body), piece)),
                               headers={**headers, "Transfer-Encoding": "chunked"})
                 else:
-                    c.request("POST", path, body=body, headers=headers)
+                    c.request("POST", u.path, body=body, headers=headers)
                 r = c.getresponse()
                 r.read()
-                got[str(r.status)] += 1
-                keep = not r.will_close
+                status, keep = str(r.status), not r.will_close
             except (OSError, http.client.HTTPException) as e:
-                got[type(e).__name__] += 1
-                keep = False
+                status, keep = type(e).__name__, False
             if not keep:
                 c.close()
                 c = None
-            slowest = max(slowest, time.perf_counter() - t0)
+            got.setdefault(status, []).append(time.perf_counter() - t0)
         if c is not None:
             c.close()
-        return got, slowest
 
     with ThreadPoolExecutor(threads) as pool:
-        results = list(pool.map(one_thread, range(threads)))
-    return sum((g for g, _ in results), Counter()), max(s for _, s in results)
+        list(pool.map(one_thread, range(threads)))
+    return got
 
 
 # ------------------------------------------------------------------ hostile sockets
