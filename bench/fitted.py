@@ -1,9 +1,10 @@
 """Configs fitted to the machine they run on (`fitted_config`; docs/machines.md).
 
 `machine_factor`: how much slower this machine runs a config's models than its CPU
-profiles say (the median over the models of one item on one core, in a fresh process,
-warm-up excluded; at least 1; `DSTACK_MACHINE_FACTOR` sets it instead). The fitted config
-has every `slo_ms` and `max_queue_delay_ms` times that factor, every `rate_rps` divided.
+profiles say: the median over the models of `model_factors` (one item on one core, in a
+fresh process, warm-up excluded), at least 1; `DSTACK_MACHINE_FACTOR` sets it instead.
+The fitted config has every `slo_ms` and `max_queue_delay_ms` times that factor, every
+`rate_rps` divided.
 `python -m bench.fitted CONFIG` prints the factor and the fitted config.
 """
 
@@ -86,14 +87,21 @@ def profile_one_core_ms(profiles_dir: Path, model: str) -> float | None:
 
 
 @cache
-def machine_factor(profiles_dir: Path, zoo_names: tuple[str, ...]) -> float:
-    """How many times slower this machine runs the models than `profiles_dir` says."""
+def model_factors(profiles_dir: Path, zoo_names: tuple[str, ...]) -> dict[str, float]:
+    """How many times slower this machine runs each model (one item, one core) than
+    `profiles_dir` says; `DSTACK_MACHINE_FACTOR` gives every model that factor instead."""
     given = os.environ.get("DSTACK_MACHINE_FACTOR")
     if given:
-        return max(1.0, float(given))
+        return dict.fromkeys(zoo_names, float(given))
     measured = {m: v[1] for m, v in one_core_ms(zoo_names).items()}
-    ratios = [measured[m] / ref for m in zoo_names
-              if (ref := profile_one_core_ms(profiles_dir, m)) is not None]
+    return {m: measured[m] / ref for m in zoo_names
+            if (ref := profile_one_core_ms(profiles_dir, m)) is not None}
+
+
+def machine_factor(profiles_dir: Path, zoo_names: tuple[str, ...]) -> float:
+    """The median of the models' factors (at least 1): one factor keeps the mix's balance
+    of SLOs and rates as written."""
+    ratios = list(model_factors(profiles_dir, zoo_names).values())
     return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 

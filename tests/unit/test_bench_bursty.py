@@ -1,5 +1,5 @@
 """`bench.bench_bursty`'s pure parts: the arrivals per scale, the targets and the report
-(no server, no simulation)."""
+(no server; one short simulation)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,27 @@ def test_a_policy_that_did_not_run_is_said_so_and_has_no_error() -> None:
     text = report(_results([p]))
     assert "| dstack | x1 | 50 | did not run: server exited (1) |" in text
     assert "simulator error, dstack" in text and "n/a" in text
+
+
+def test_the_simulator_slows_each_model_by_its_own_factor(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model measured much slower here than its profile is simulated that much slower;
+    the other model is simulated as before."""
+    from dataclasses import replace
+
+    from bench.bench_bursty import fitted_mix, run_sim
+    from bench.fitted import model_factors
+
+    monkeypatch.setenv("DSTACK_MACHINE_FACTOR", "2")
+    model_factors.cache_clear()
+    mix = fitted_mix("spatial", tmp_path)
+    model_factors.cache_clear()
+    assert mix.model_factors == {"mobilenet_v3_small": 2.0, "resnet18": 2.0}
+    arrivals = schedule("bursty:compress=10", mix.rates_rps, 1.0, 20.0, seed=1)
+    even = run_sim("spatial", mix, arrivals, 20.0)["models"]
+    slow = run_sim("spatial", replace(mix, model_factors={"mobilenet_v3_small": 2.0,
+                                                          "resnet18": 8.0}),
+                   arrivals, 20.0)["models"]
+    assert slow["resnet18"]["within_slo"] < even["resnet18"]["within_slo"] / 2
+    mob = "mobilenet_v3_small"
+    assert slow[mob]["within_slo"] >= 0.9 * even[mob]["within_slo"]
