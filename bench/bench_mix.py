@@ -3,6 +3,7 @@ machine, against the model called in process on the same cores: the two-model mi
 open-loop Poisson load (goodput, attainment, p99, the maximum sustainable rate), resnet18
 alone under 8 tritonclient clients in windows alternating with the in-process ones, the
 server overhead on tiny_cnn, and peak RSS (docs/benchmarks.md says what each figure is).
+Every config is fitted to this machine (bench/fitted.py).
 Output: a table, `docs/benchmarks.png` and `out/bench/bench.json`.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench.chaos_load import open_loop, p99
+from bench.fitted import fitted_config
 from bench.servers import (
     ROOT,
     Server,
@@ -207,7 +209,7 @@ class TritonClients:
 
 
 def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) -> dict[str, Any]:
-    config = ROOT / f"configs/bench-mix-{policy}.yaml"
+    config, factor = fitted_config(ROOT / f"configs/bench-mix-{policy}.yaml", outdir)
     base, slos = rates_slos(config)
     points = []
     with serving(config, outdir / f"server-mix-{policy}.log") as srv:
@@ -236,7 +238,7 @@ def bench_mix(policy: str, scales: list[float], seconds: float, outdir: Path) ->
                        if all(v["attainment"] >= 0.99 for v in p["per_model"].values())),
                       default=0.0)
     return {"points": points, "max_sustainable_rps": sustainable, "rss_mb": rss,
-            "seconds": seconds}
+            "seconds": seconds, "machine_factor": factor, "slos_ms": slos, "rates_rps": base}
 
 
 def bench_single(config: Path, model: str, outdir: Path, *, cores: list[int],
@@ -359,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("single model, 8 tritonclient aio clients (closed loop):", flush=True)
     for pol in policies:
-        r = bench_single(ROOT / f"configs/bench-single-resnet18-{pol}.yaml", "resnet18",
+        r = bench_single(fitted_config(ROOT / f"configs/bench-single-resnet18-{pol}.yaml",
+                                       outdir)[0], "resnet18",
                          outdir, cores=cores, batches=contenders(ceil["resnet18"]),
                          rounds=args.single_rounds)
         results["single"][pol] = r
@@ -369,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
               f"request: server {r['server_cpu_ms']:.2f} ms, clients "
               f"{r['client_cpu_ms']:.2f} ms", flush=True)
     # Not a target, only the per-request overhead: a third of the rounds will do.
-    tiny = bench_single(ROOT / "configs/bench-single-tiny_cnn-shared.yaml", "tiny_cnn",
+    tiny = bench_single(fitted_config(ROOT / "configs/bench-single-tiny_cnn-shared.yaml",
+                                      outdir)[0], "tiny_cnn",
                         outdir, cores=cores, batches=contenders(ceil["tiny_cnn"]),
                         rounds=max(3, args.single_rounds // 3))
     tiny["ratio_to_ceiling"] = tiny["rps_ratio_to_ceiling"]
@@ -391,8 +395,11 @@ def report(r: dict[str, Any]) -> str:
     mix = r["mix"]
     base = mix.get("temporal")
     ref_scale = 1.0
-    lines.append("\nTwo-model mix (mobilenet_v3_small SLO 60 ms + resnet18 SLO 250 ms), "
-                 f"at x{ref_scale:g} the configured rates:")
+    first = next(iter(mix.values()))
+    lines.append("\nTwo-model mix (" + " + ".join(
+        f"{m} SLO {slo:g} ms at {first['rates_rps'][m]:g} rps" for m, slo in
+        first["slos_ms"].items()) + f"; configs/bench-mix-*.yaml fitted to this machine, "
+        f"x{first['machine_factor']:.2f}), at x{ref_scale:g} those rates:")
     head = (f"{'policy':9s} {'offered':>8s} {'goodput':>8s} {'attain':>7s} {'p99 mnv3':>9s} "
             f"{'p99 r18':>8s} {'vs temporal':>11s} {'vs ceiling':>10s} {'max rate@99%':>12s} "
             f"{'RSS server/workers MB':>22s}")
