@@ -180,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `dstack models | head`: the reader left; no traceback
+        if args.func is _cmd_serve:
+            raise  # a server's own broken pipe is a fault, not a reader leaving
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit's flush
         return 141  # as a shell reports a process killed by SIGPIPE
 
