@@ -123,3 +123,32 @@ def test_the_simulator_slows_each_model_by_its_own_factor(
     assert slow["resnet18"]["within_slo"] < even["resnet18"]["within_slo"] / 2
     mob = "mobilenet_v3_small"
     assert slow[mob]["within_slo"] >= 0.9 * even[mob]["within_slo"]
+
+
+def test_the_simulated_replans_cost_what_the_servers_workers_took_to_start(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server weighs a re-plan against its workers' start; the simulator is given the
+    same time, read from the server's log (a free switch made it re-plan for bursts)."""
+    import bench.bench_bursty as bb
+    from bench.fitted import model_factors
+
+    log = ("... worker mobilenet_v3_small ready in 5.5 s (pid 1, slice 50% [0])\n"
+           "... worker resnet18 ready in 9.5 s (pid 2, slice 50% [1])\n"
+           "... worker mobilenet_v3_small#g1 ready in 5.4 s (pid 3, slice 50% [1])\n")
+    assert bb.worker_start_s(log) == 5.5
+    assert bb.worker_start_s("no workers") is None
+    monkeypatch.setenv("DSTACK_MACHINE_FACTOR", "2")
+    model_factors.cache_clear()
+    mix = bb.fitted_mix("dstack", tmp_path)
+    model_factors.cache_clear()
+    seen: list[float] = []
+    real_simulate = bb.simulate
+
+    def simulate(*args: Any, start_s: float = 0.0, **kw: Any) -> Any:
+        seen.append(start_s)
+        return real_simulate(*args, start_s=start_s, **kw)
+
+    monkeypatch.setattr(bb, "simulate", simulate)
+    arrivals = schedule("bursty:compress=10", mix.rates_rps, 1.0, 5.0, seed=1)
+    assert "goodput_rps" in bb.run_sim("dstack", mix, arrivals, 5.0, start_s=5.5)
+    assert seen == [5.5]
