@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated policies to compare")
     sim.add_argument("--duration", default="600s", help="simulated time, e.g. 600s, 10m")
     sim.add_argument("--seed", type=int, default=1, help="random seed of the workload")
+    sim.add_argument("--worker-start", default="5s",
+                     help="how long a worker takes to start: a dstack re-plan that moves "
+                     "workers must be worth that long (the server weighs its own, from its "
+                     "log's 'worker ... ready in'); 0: re-plans are free")
     sim.add_argument("--plot", default=None, help="write a timeline + latency-CDF PNG here")
     sim.add_argument("--plot-window", default="300ms",
                      help="how much of the run's start the timeline shows")

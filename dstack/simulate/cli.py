@@ -32,15 +32,23 @@ def simulate_command(args: argparse.Namespace) -> int:
                             args.seed)
     except WorkloadError as e:
         raise ConfigError(str(e)) from None
+    try:
+        start_s = parse_duration(args.worker_start)
+    except WorkloadError as e:
+        raise ConfigError(f"--worker-start: {e}") from None
     cfg, profiles = planning_profiles(cfg, args.config, say=print)
     started = time.perf_counter()
     sim = simulate(cfg, profiles, arrivals, policies, duration,
-                   timeline_s=window if args.plot else 0.0)
+                   timeline_s=window if args.plot else 0.0, start_s=start_s)
     wall = time.perf_counter() - started
     print(f"workload {args.workload}, {duration:g} s, seed {args.seed}: "
           f"{arrivals.times.size} requests; ideal bound {sim.ideal_rps:.1f} rps "
           f"(fluid bound at the nominal rates {sim.fluid_rps:.1f} rps)")
     print(format_table(sim.reports))
+    if "dstack" in sim.results:
+        n = sim.results["dstack"].replans
+        print(f"\ndstack: {n} re-plan{'' if n == 1 else 's'} (each weighed against a worker "
+              f"start of {start_s:g} s, --worker-start)")
     print()
     print("goodput per model (rps within SLO):")
     print(format_per_model(sim.reports))

@@ -48,10 +48,25 @@ def test_simulate_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "| spatial |" in capsys.readouterr().out
 
 
+def test_a_replan_that_moves_workers_waits_for_their_start(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """resnet18 at 8x its rate: the plan for that restarts both workers. Free, dstack takes
+    it at once; when a worker takes 10 s to start (as on a slow CPU), not within a minute."""
+    cpu = str(ROOT / "configs" / "bench-mix-dstack.yaml")
+    said = []
+    for start in ("0", "10s"):
+        assert main(["simulate", "--config", cpu, "--workload", "burst:x8@10s+50s:resnet18",
+                     "--duration", "60s", "--policies", "dstack", "--worker-start", start]) == 0
+        said.append(capsys.readouterr().out)
+    assert "dstack: 1 re-plan (each weighed against a worker start of 0 s" in said[0]
+    assert "dstack: 0 re-plans (each weighed against a worker start of 10 s" in said[1]
+
+
 @pytest.mark.parametrize(("flags", "says"), [
     (["--policies", "dstack,fastest"], "choose from"),
     (["--workload", "poisson-ish"], "unknown workload"),
     (["--duration", "ten minutes"], "duration"),
+    (["--worker-start", "soon"], "--worker-start"),
 ])
 def test_simulate_rejects_bad_flags_naming_them(
         flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
