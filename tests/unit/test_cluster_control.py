@@ -84,6 +84,14 @@ class FakeNode:
         self.dead = self.hung = False
         self.configured: list[list[str]] = []
 
+        # The snapshot names the node's Ray node as `ping` does: this fake's "ray-NAME".
+        # NodeServer's own asks Ray, which, not connected here, started a local Ray
+        # instance in the test process (~10 s, and it ran on for the rest of the session).
+        async def ray_node_id() -> str:
+            return f"ray-{name}"
+
+        self.server.ping = ray_node_id  # type: ignore[method-assign]
+
     async def _check(self) -> None:
         if self.hung:
             await asyncio.sleep(3600)
