@@ -252,6 +252,44 @@ def test_a_lone_model_grows_its_batch_by_its_profiles_shape_at_the_live_speed():
     assert policy.batch_cap("tiny") == 4  # 0.52 ms at half the profile's latency
 
 
+def _lone_tiny(step: dict[int, float], slo_ms: float) -> LanePolicy:
+    """tiny alone on a lane, profiled at `step` (ms by batch), live at the profile's speed."""
+    prof = make_profile("tiny", lambda b, p: step[b] * 100.0 / p, batches=(1, 2, 4, 8),
+                        percents=(100.0,))
+    cfg = _cfg([{"name": "tiny", "slo_ms": slo_ms, "rate_rps": 2000, "max_batch_size": 8,
+                 "max_queue_delay_ms": 0.2}])
+    plan, sched, _ = plan_lanes(cfg, {"tiny": prof}, MpsSlices(100))
+    policy = LanePolicy(model_params(cfg), MpsSlices(100), plan, sched)
+    policy.use_estimates({"tiny": LinearLatency.from_points(1, step[1] / 1000, 8,
+                                                            step[8] / 1000)})
+    return policy
+
+
+def test_a_lone_model_never_takes_a_batch_slower_per_item_than_a_smaller_one():
+    """tiny_cnn on one core: a batch of 2 (0.86 ms) serves fewer items a second than a
+    batch of 1 (0.36 ms). Within 0.6 of a 1.5 ms SLO both fit; the lane keeps batches of 1."""
+    policy = _lone_tiny({1: 0.355, 2: 0.863, 4: 1.036, 8: 2.006}, 1.5)
+    assert policy.batch_cap("tiny") == 1
+
+
+def test_a_lone_model_with_a_backlog_takes_the_batch_its_oldest_request_can_wait_for():
+    """tiny_cnn on two cores (0.22 ms at batch 1, 1.23 ms at 8), SLO 1.84 ms. Calm, its
+    batch runs within 0.6 of the SLO: 6. With 20 queued and the oldest just arrived, it
+    takes 8, the most items a second, and admission counts its queue at that batch; with
+    the oldest due in 1.1 ms it keeps 6, which that request can wait for; 5 queued go
+    as one batch of 5."""
+    policy = _lone_tiny({1: 0.2213, 2: 0.5804, 4: 0.8427, 8: 1.2348}, 1.84)
+
+    def launched(items: int, due_in_ms: float) -> int:
+        (la,) = policy.decide(0.0, {"tiny": _view("tiny", items, due_in_ms / 1000)}).launches
+        return la.max_items
+
+    assert policy.batch_cap("tiny") == 6
+    assert launched(20, 1.8) == 8 and policy.batch_cap("tiny") == 8
+    assert launched(20, 1.1) == 6 and policy.batch_cap("tiny") == 6
+    assert launched(5, 1.8) == 5 and policy.batch_cap("tiny") == 6
+
+
 def test_an_overloaded_lane_runs_its_costly_models_only_in_its_slack():
     lat = synthetic(1.0, 0.5, 100.0)
     cheap = LaneModel("cheap", 20.0, 900.0, 1.0, (1, 2, 4), lat)  # 0.75 ms a request at 4
