@@ -305,6 +305,10 @@ def test_a_replan_is_solved_in_a_process_of_its_own_that_is_replaced_if_it_dies(
     cfg = config("dstack", tmp_path, slo_ms=3000)
     cfg["models"][0]["rate_rps"] = 5
     cfg["models"][1]["rate_rps"] = 5
+    # Each model on its own lane only: no guest workers on the other's (`borrow_lanes`),
+    # half the workers to start, here and at the hand-over; the solver's process is what
+    # this test is about.
+    cfg["borrow_lanes"] = 0
     # re-planned below, not by the sampler; in a process (`auto` would be a thread on CPU)
     cfg["adapt"] = {"enabled": True, "sample_s": 60, "solve_in": "process",
                     "weigh_switch": False}
