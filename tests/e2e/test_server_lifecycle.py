@@ -194,6 +194,20 @@ def test_a_server_killed_with_its_whole_process_group_leaves_no_shared_memory(
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children of any of its threads, theirs, ...)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for t in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (t / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
 def _cores(pid: int) -> set[int]:
     """The cores a process's main thread may run on."""
     listed = Path(f"/proc/{pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
@@ -223,10 +237,10 @@ def test_the_solver_sits_with_the_server_and_a_server_killed_alone_leaves_no_pro
         if len(os.sched_getaffinity(0)) >= 2:  # a core each model's: the server on one
             assert _cores(srv.pid) < os.sched_getaffinity(0)
         assert _cores(solver) == _cores(srv.pid)
-        children = [int(p) for t in Path(f"/proc/{srv.pid}/task").iterdir()
-                    for p in (t / "children").read_text().split()]  # from any thread
-        spawned = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
-        assert len(spawned) >= 2, children  # the worker and the solver
+        children = _descendants(srv.pid)  # the solver, and the workers under their forkserver
+        started = [c for c in children
+                   if re.search(rb"spawn_main|forkserver", Path(f"/proc/{c}/cmdline").read_bytes())]
+        assert len(started) >= 3, children  # the solver, the forkserver and a worker
         os.kill(srv.pid, signal.SIGKILL)
         srv.proc.wait(10)
         deadline = time.monotonic() + 15
