@@ -199,6 +199,8 @@ class NodeServer:
         try:
             import ray
 
+            if not ray.is_initialized():  # asking the context would start a local Ray
+                return ""
             return str(ray.get_runtime_context().get_node_id())
         except Exception:
             return ""

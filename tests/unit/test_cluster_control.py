@@ -330,3 +330,18 @@ def test_a_failed_call_is_retried_once_on_another_copy() -> None:
         await ctl.stop()
 
     asyncio.run(main())
+
+
+def test_a_node_outside_ray_names_no_ray_node_and_starts_no_ray() -> None:
+    """A node run outside Ray (in a test, or a node process of its own) answers its health
+    ping with '' and does not start a local Ray to ask (it did: ~10 s, and a Ray with its
+    dashboard left running). In a fresh interpreter, as no other test's Ray may be up."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    code = ("import asyncio, ray; from dstack.cluster.node import NodeServer; "
+            "print(repr(asyncio.run(NodeServer('solo').ping())), ray.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.split() == ["''", "False"], out
