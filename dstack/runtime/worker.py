@@ -231,8 +231,8 @@ def _preloaded() -> mp.context.BaseContext:
     """Workers fork from one process that imported torch, torchvision and the model zoo
     once (multiprocessing's forkserver, preloaded), instead of each importing them anew: on
     a 2-core AMD EPYC those imports took 6 s of CPU of a worker's 7-10 s start. The
-    preloaded process never touches CUDA and runs no Python thread (forking after CUDA is
-    initialised is not allowed); each worker applies its slice, niceness and cores itself."""
+    preloaded process never initialises CUDA nor runs a model (a fork after either is not
+    safe); each worker applies its slice, niceness and cores itself."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torchvision", "models"])
     return ctx
