@@ -1,8 +1,9 @@
 """Compiles the simulator's hot path with Cython; everything else is in pyproject.toml.
 
 The modules below are plain Python (Cython's pure-Python mode): compiled, the same source
-runs the simulator's event loop and the policies several times faster (`python -m bench.bench_policies --speed`);
-where no C compiler is at hand the build says so and the package runs them as Python.
+runs the simulator's event loop and the policies several times faster
+(`python -m bench.bench_policies --speed`); where no C compiler is at hand the build says
+so and the package runs them as Python.
 """
 
 from Cython.Build import cythonize  # the build-system table requires it

@@ -2,16 +2,16 @@
 `grpc_service.proto`, no sockets.
 
 `parse_request` turns a `ModelInferRequest` into the `server.codec.RequestHead` the HTTP
-path makes of a body, validated by the same functions (`codec.check_input`,
-`check_size`, `check_complete`, `parse_outputs`), so that both protocols take and refuse
-the same requests with the same messages. `raw_input_contents` become read-only numpy
-views of the bytes received (no copy: `read_infer_request` cuts them out of the wire bytes
-before the rest is parsed, so neither protobuf nor a field access copies them); typed `contents` are checked and converted by
-`codec.decode_data`, as JSON `data` is. `encode_response` answers every output in
-`raw_output_contents`, as Triton does. A tensor in shared memory (`server.shm`) has its
-`shared_memory_*` parameters checked as HTTP's JSON ones are: an input is a view of its
-region and has no `raw_input_contents` entry; an output is written into its region and
-keeps an empty entry in `raw_output_contents`.
+path makes of a body, validated by the same functions (`codec.check_input`, `check_size`,
+`check_complete`, `parse_outputs`), so that both protocols take and refuse the same
+requests with the same messages. `raw_input_contents` become read-only numpy views of the
+bytes received (no copy: `read_infer_request` cuts them out of the wire bytes before the
+rest is parsed, so neither protobuf nor a field access copies them); typed `contents` are
+checked and converted by `codec.decode_data`, as JSON `data` is. `encode_response` answers
+every output in `raw_output_contents`, as Triton does. A tensor in shared memory
+(`server.shm`) has its `shared_memory_*` parameters checked as HTTP's JSON ones are: an
+input is a view of its region and has no `raw_input_contents` entry; an output is written
+into its region and keeps an empty entry in `raw_output_contents`.
 
 The messages are the ones tritonclient ships, generated from Triton's proto
 (`tritonclient.grpc.service_pb2`): the same wire format as Triton's server.
