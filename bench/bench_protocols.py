@@ -164,14 +164,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10, help="closed loop per protocol")
     p.add_argument("--warmup", type=int, default=40, help="requests per protocol first")
     p.add_argument("--clients", default="8,64", help="client threads; several run in turn")
+    p.add_argument("--protocols", default=",".join(PROTOCOLS),
+                   help=f"some of {','.join(PROTOCOLS)}")
+    p.add_argument("--frontends", type=int, default=1,
+                   help="dstack's server.frontends; with more than 1, CPU 'own' is the "
+                        "dispatch process's, and shm-http is left out (HTTP shared memory "
+                        "needs frontends 1)")
     p.add_argument("--triton-python", default="", metavar="PYTHON",
                    help="also Triton: PyTriton under this Python (`make bench-triton`)")
     args = p.parse_args(argv)
+    protocols = [q for q in args.protocols.split(",") if q]
+    if unknown := set(protocols) - set(PROTOCOLS):
+        p.error(f"--protocols: unknown {sorted(unknown)}; give some of {','.join(PROTOCOLS)}")
+    if args.frontends > 1 and "shm-http" in protocols:
+        protocols.remove("shm-http")
+        print("shm-http left out: over HTTP, shared memory needs --frontends 1")
     OUT.mkdir(parents=True, exist_ok=True)
     grpc_port = free_port()
     cfg = OUT / "protocols.yaml"
     cfg.write_text(yaml.safe_dump({**CONFIG, "server": {
-        "frontends": 1, "grpc_port": grpc_port, "allow_client_shm": True}}))
+        "frontends": args.frontends, "grpc_port": grpc_port, "allow_client_shm": True}}))
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         srv = stack.enter_context(serving(cfg, OUT / "protocols.log"))
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         x = np.random.default_rng(0).random([1, *meta["inputs"][0]["shape"][1:]],
                                             dtype=np.float32)
         for clients in map(int, args.clients.split(",")):
-            for protocol in PROTOCOLS:
+            for protocol in protocols:
                 for name, (host, grpc_url, pids) in servers.items():
                     make = partial(Client, protocol, host.removeprefix("http://"), grpc_url, x,
                                    out_bytes)

@@ -360,7 +360,7 @@ class FrontEnds:
     within the grace period, as one server does)."""
 
     def __init__(self, n: int, config: Path, sock_fd: int, folder: Path,
-                 cores: tuple[int, ...] | None) -> None:
+                 cores: tuple[int, ...] | None, grpc_address: str | None = None) -> None:
         self.n = n
         self.budget = folder / "budget"
         SharedBodyBudget.create(self.budget, n)
@@ -369,6 +369,8 @@ class FrontEnds:
                      "--budget", str(self.budget)]
         if cores:
             self.argv += ["--cores", ",".join(map(str, cores))]
+        if grpc_address:  # each front end listens there too (`FrontEndGrpc`)
+            self.argv += ["--grpc", grpc_address]
         self.fd = sock_fd
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopping = False
@@ -435,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", required=True)
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--cores", default=None)
+    p.add_argument("--grpc", default=None, help="HOST:PORT to serve gRPC on")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the dispatch process says when to stop
     steady_server_heap()  # malloc's thresholds as `dstack serve` fixes them for itself
@@ -465,11 +468,20 @@ def main(argv: list[str] | None = None) -> int:
                             bound=bound)
     config = server_config(app, s, header_check=check, body_store=bodies.store)
     config.lifespan = "off"
+    grpc = None
+    if args.grpc:
+        from server.grpc_server import FrontEndGrpc
+
+        host, _, port = args.grpc.rpartition(":")
+        grpc = FrontEndGrpc(link, s, host.strip("[]"), int(port))
 
     class _FrontEndServer(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             loop = asyncio.get_running_loop()
             await loop.create_unix_connection(lambda: link, args.link)
+            if grpc is not None:
+                grpc.bind()
+                await grpc.start()
             await super().startup(sockets)
             freeze_startup_objects()
             link.tell({"k": "hello", "i": 0, "pid": os.getpid(), "shm": bodies.path,
@@ -478,7 +490,11 @@ def main(argv: list[str] | None = None) -> int:
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             check.standing.tell()  # what stood and was not told yet: counted
-            await super().shutdown(sockets)
+            if grpc is None:
+                await super().shutdown(sockets)
+            else:  # both drain together, within the same grace
+                await asyncio.gather(super().shutdown(sockets),
+                                     grpc.stop(self.config.timeout_graceful_shutdown or 0.0))
 
     server = _FrontEndServer(config)
     server.run(sockets=[sock])

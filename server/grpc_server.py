@@ -33,8 +33,9 @@ The system and CUDA shared-memory RPCs and the shared-memory tensors of ModelInf
 `server.shm`'s, as over HTTP: off unless `server.allow_client_shm` (INVALID_ARGUMENT), for
 clients on this host only (PERMISSION_DENIED, HTTP's 403).
 
-Not yet: trace and log settings answer UNIMPLEMENTED; with `server.frontends` > 1 the
-endpoint is served by the server's own process only, not by the front ends.
+With `server.frontends` > 1 the front ends serve the port (`FrontEndGrpc`) and the
+dispatch process answers their calls with the same servicer. Not yet: trace and log
+settings answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from functools import wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -61,7 +62,12 @@ from server.api import MODEL_VERSION, ServingApi, model_metadata
 from server.auth import has_token, is_open
 from server.shm import ShmRegistry
 
+if TYPE_CHECKING:
+    from server.link import Link
+
 log = logging.getLogger("dstack.server")
+
+SERVICE = "inference.GRPCInferenceService"
 
 #: A `DStackError`'s HTTP status -> the gRPC status it is answered with (module docstring).
 STATUS_CODES: dict[int, grpc.StatusCode] = {
@@ -127,19 +133,25 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Any]:
     return parse
 
 
+def _methods(servicer: pb_grpc.GRPCInferenceServiceServicer
+             ) -> Iterable[tuple[Any, Callable[[bytes], Any], Any, Callable[[Any], bytes]]]:
+    """Each RPC of the service (its descriptor), with its requests' deserializer
+    (`_lenient`), `servicer`'s method and its responses' serializer."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for m in service.methods:
+        yield (m, _lenient(getattr(pb, m.input_type.name)), getattr(servicer, m.name),
+               getattr(pb, m.output_type.name).SerializeToString)
+
+
 def service_handler(servicer: pb_grpc.GRPCInferenceServiceServicer) -> grpc.GenericRpcHandler:
     """`servicer`'s RPCs, as `add_GRPCInferenceServiceServicer_to_server` registers them,
     but for the requests' deserializer (`Malformed`); taken from the proto's descriptor."""
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
-    for m in service.methods:
+    for m, read, method, write in _methods(servicer):
         make = (grpc.stream_stream_rpc_method_handler if m.client_streaming
                 else grpc.unary_unary_rpc_method_handler)
-        handlers[m.name] = make(
-            getattr(servicer, m.name),
-            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+        handlers[m.name] = make(method, request_deserializer=read, response_serializer=write)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -183,6 +195,71 @@ def _model_path(request: Any) -> str:
     return f"/v2/models/{request.name}"
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+async def answers_as_done(requests: AsyncIterator[T], answer: Callable[[T], Awaitable[R]]
+                          ) -> AsyncIterator[R]:
+    """A bidirectional stream's answers: each request taken as it comes and `answer`ed
+    (which never raises) side by side with the others, each answer yielded when done."""
+    answers: asyncio.Queue[R | None] = asyncio.Queue()
+    running: set[asyncio.Task[None]] = set()
+
+    async def one(request: T) -> None:
+        await answers.put(await answer(request))
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:  # asyncio.wait, not gather: a cancel here leaves them running
+                await asyncio.wait(set(running))
+        finally:
+            await answers.put(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (resp := await answers.get()) is not None:
+            yield resp
+    finally:
+        # The client went away or closed its side: stop reading. Requests in flight run
+        # to their end (every request's future is resolved by the runtime); their answers
+        # are dropped.
+        reader.cancel()
+
+
+class Aborted(Exception):
+    """`LinkedContext.abort`: the call ends with `code`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str,
+                 trailing_metadata: Iterable[tuple[str, str]]) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+        self.trailing_metadata = tuple(trailing_metadata)
+
+
+class LinkedContext:
+    """The servicer's context for a call a front end received: its peer and metadata, as
+    the front end saw them; `abort` raises `Aborted`."""
+
+    def __init__(self, peer: str | None, metadata: Iterable[tuple[str, str]]) -> None:
+        self._peer = peer
+        self._metadata = tuple((k, v) for k, v in metadata)
+
+    def peer(self) -> str | None:
+        return self._peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Iterable[tuple[str, str]] = ()) -> NoReturn:
+        raise Aborted(code, details, trailing_metadata)
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """`inference.GRPCInferenceService` over `api`. `token`: the bearer token every RPC
     must send in its `authorization` metadata, but those whose HTTP path is in
@@ -193,6 +270,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.api = api
         self.token = None if token is None else token.encode()
         self.open_paths = tuple(open_paths)
+        self._linked: dict[str, tuple[Callable[[Any], Any], Any, Callable[[Any], bytes]]
+                           ] | None = None
 
     def authorize(self, context: grpc.aio.ServicerContext, path: str) -> None:
         """Unauthenticated unless the call sends `authorization: Bearer <token>`
@@ -312,52 +391,56 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                context: grpc.aio.ServicerContext
                                ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request of the stream runs as it comes, side by side with the others
-        (batched together as separate calls would be), and is answered when done: its
-        response, or its error in `error_message` (with the request's id)."""
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
+        (batched together as separate calls would be), and is answered when done
+        (`stream_answer`)."""
+        async for resp in answers_as_done(request_iterator,
+                                          lambda r: self.stream_answer(r, context)):
+            yield resp
 
-        async def one(request: grpc_codec.InferMessage | Malformed) -> None:
-            if isinstance(request, Malformed):
-                await answers.put(pb.ModelStreamInferResponse(error_message=request.message))
-                return
-            msg = request.msg
-            try:
-                self.authorize(context, f"/v2/models/{msg.model_name}/infer")
-                resp = pb.ModelStreamInferResponse(
-                    infer_response=await self.infer(request, context.peer()))
-            except Exception as e:  # noqa: BLE001 - every request of the stream is answered
-                if isinstance(e, DStackError):
-                    message = e.message
-                else:
-                    log.exception("unhandled error in gRPC ModelStreamInfer")
-                    message = _internal(e)
-                resp = pb.ModelStreamInferResponse(
-                    error_message=message, infer_response=pb.ModelInferResponse(
-                        model_name=msg.model_name, model_version=msg.model_version,
-                        id=msg.id))
-            await answers.put(resp)
-
-        async def read() -> None:
-            try:
-                async for msg in request_iterator:
-                    task = asyncio.create_task(one(msg))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                if running:  # asyncio.wait, not gather: a cancel here leaves them running
-                    await asyncio.wait(set(running))
-            finally:
-                await answers.put(None)
-
-        reader = asyncio.create_task(read())
+    async def stream_answer(self, request: grpc_codec.InferMessage | Malformed,
+                            context: Any) -> pb.ModelStreamInferResponse:
+        """One request of a stream answered: its response, or its error in
+        `error_message` (with the request's id). Never raises."""
+        if isinstance(request, Malformed):
+            return pb.ModelStreamInferResponse(error_message=request.message)
+        msg = request.msg
         try:
-            while (resp := await answers.get()) is not None:
-                yield resp
-        finally:
-            # The client went away or closed its side: stop reading. Requests in flight
-            # run to their end (every request's future is resolved by the runtime); their
-            # answers are dropped.
-            reader.cancel()
+            self.authorize(context, f"/v2/models/{msg.model_name}/infer")
+            return pb.ModelStreamInferResponse(
+                infer_response=await self.infer(request, context.peer()))
+        except Exception as e:  # noqa: BLE001 - every request of the stream is answered
+            if isinstance(e, DStackError):
+                message = e.message
+            else:
+                log.exception("unhandled error in gRPC ModelStreamInfer")
+                message = _internal(e)
+            return pb.ModelStreamInferResponse(
+                error_message=message, infer_response=pb.ModelInferResponse(
+                    model_name=msg.model_name, model_version=msg.model_version, id=msg.id))
+
+    async def answer_linked(self, rpc: str, data: bytes | memoryview, peer: str | None,
+                            metadata: Iterable[tuple[str, str]]
+                            ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        """A call a front end received (`server.frontends`), answered as this servicer
+        answers its own: `rpc` (a method's name; `ModelStreamInfer`: one request of a
+        stream) on the request's bytes, from `peer` with `metadata`. Returns the status
+        code's number, its details, the trailing metadata and the response's bytes."""
+        if self._linked is None:
+            self._linked = {m.name: (read, method, write)
+                            for m, read, method, write in _methods(self)}
+        entry = self._linked.get(rpc)
+        if entry is None:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no method {rpc!r}", [], b""
+        read, method, write = entry
+        context = LinkedContext(peer, metadata)
+        if rpc == "ModelStreamInfer":
+            answer = await self.stream_answer(self._linked["ModelInfer"][0](data), context)
+            return 0, "", [], answer.SerializeToString()
+        try:
+            resp = await method(read(data if rpc == "ModelInfer" else bytes(data)), context)
+        except Aborted as a:
+            return a.code.value[0], a.details, list(a.trailing_metadata), b""
+        return 0, "", [], write(resp)
 
     # ------------------------------------------------------------------ shared memory
 
@@ -410,34 +493,41 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 class GrpcEndpoint:
     """The gRPC endpoint of a server: `bind()` (in the event loop that will serve it,
     before the slow start of the runtime: a port in use fails fast), `start()` once the
-    runtime is ready, `stop(grace_s)` to drain."""
+    runtime is ready, `stop(grace_s)` to drain. `servicer` answers its calls, and those
+    of the front ends (`answer_linked`)."""
 
-    def __init__(self, api: ServingApi, cfg: ServerConfig, host: str, port: int,
+    reuse_port = 0  # else a second server binds the port too
+
+    def __init__(self, api: ServingApi | None, cfg: ServerConfig, host: str, port: int,
                  token: str | None = None) -> None:
-        self.api = api
         self.cfg = cfg
         self.host = host
         self.port = port
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.token = token
+        self.servicer = (None if api is None
+                         else InferenceServicer(api, token, cfg.auth_open_paths))
         self.server: grpc.aio.Server | None = None
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        assert self.servicer is not None
+        return service_handler(self.servicer)
 
     def bind(self) -> int:
         """Bind the port; returns it. OSError, or RuntimeError (grpcio's), when it cannot
         be bound."""
-        self._probe()
+        if not self.reuse_port:
+            self._probe()
         cfg = self.cfg
         server = grpc.aio.server(
             options=[
-                ("grpc.so_reuseport", 0),  # else a second server binds the port too
+                ("grpc.so_reuseport", self.reuse_port),
                 ("grpc.max_receive_message_length", cfg.max_body_bytes),
                 ("grpc.max_send_message_length", -1),
             ],
             # One more RPC is answered RESOURCE_EXHAUSTED, as HTTP's connection cap 503s.
             maximum_concurrent_rpcs=cfg.max_connections,
         )
-        server.add_generic_rpc_handlers((service_handler(
-            InferenceServicer(self.api, self.token, cfg.auth_open_paths)),))
+        server.add_generic_rpc_handlers((self.handler(),))
         if cfg.tls_certfile is not None:  # the HTTP server's certificate and key
             cert = cfg.tls_certfile.read_bytes()
             key = (cfg.tls_keyfile or cfg.tls_certfile).read_bytes()
@@ -468,3 +558,80 @@ class GrpcEndpoint:
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
+
+
+# ---------------------------------------------------------------------- in a front end
+
+#: A request this big crosses the link in the front end's shared memory (`SharedBodies`).
+SHARED_FROM_BYTES = 64 << 10
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class FrontEndGrpc(GrpcEndpoint):
+    """A front end's gRPC endpoint (`server.frontends` > 1): every front end listens on
+    the port (SO_REUSEPORT: the kernel spreads the connections), and each call's bytes
+    cross the link (`g`) to the dispatch process's servicer (`answer_linked`), which
+    decides and answers it as it answers its own; a big request crosses in the front
+    end's shared memory. The front end parses nothing: grpcio's own work per call (most
+    of what a gRPC call costs) stays in the front ends."""
+
+    reuse_port = 1
+
+    def __init__(self, link: Link, cfg: ServerConfig, host: str, port: int) -> None:
+        super().__init__(None, cfg, host, port)
+        self.link = link
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+        handlers = {}
+        for m in service.methods:
+            if m.client_streaming:
+                handlers[m.name] = grpc.stream_stream_rpc_method_handler(self._stream)
+            else:
+                handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+                    self._unary(m.name))
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _unary(self, rpc: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+        async def call(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            code, details, trailing, out = await self._call(rpc, data, context)
+            if code:
+                await context.abort(_CODES.get(code, grpc.StatusCode.UNKNOWN), details,
+                                    trailing)
+            return out
+
+        return call
+
+    async def _stream(self, requests: AsyncIterator[bytes],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def one(data: bytes) -> bytes:
+            code, details, _, out = await self._call("ModelStreamInfer", data, context)
+            return (pb.ModelStreamInferResponse(error_message=details).SerializeToString()
+                    if code else out)
+
+        async for out in answers_as_done(requests, one):
+            yield out
+
+    async def _call(self, rpc: str, data: bytes, context: grpc.aio.ServicerContext
+                    ) -> tuple[int, str, tuple[tuple[str, str], ...], bytes]:
+        """`rpc` on `data` across the link: (code, details, trailing metadata, bytes)."""
+        link = self.link
+        meta: dict[str, Any] = {
+            "k": "g", "i": next(link.ids), "r": rpc, "P": context.peer(),
+            "A": [(k, v) for k, v in context.invocation_metadata() or ()
+                  if k == "authorization"]}
+        shared = link.shared
+        body = (shared.take(len(data)) if shared is not None and shared.enabled
+                and len(data) >= SHARED_FROM_BYTES else None)
+        if body is not None:
+            body.view[:] = data
+            meta["o"], meta["n"], data = body.at, body.size, b""
+        try:
+            reply, out = await link.call(meta, data, None if body is None else body.free)
+        except DStackError as e:  # the dispatch process is gone
+            if body is not None:
+                body.free()
+            return status_code(e).value[0], e.message, trailing_metadata(e), b""
+        return (reply["c"], reply.get("e", ""),
+                tuple((k, v) for k, v in reply.get("T", ())), out)

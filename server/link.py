@@ -19,7 +19,10 @@ socket, and its space is the front end's again when the answer `a` comes.
 
 While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`); a request
 that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
-Every other route goes whole as `x` and is answered by the dispatch process's app. Each
+Every other route goes whole as `x` and is answered by the dispatch process's app. A gRPC
+call goes as `g` (the method, the peer, the `authorization` metadata; the request's bytes,
+a big one in the shared memory) -> `a` (status code, details, trailing metadata; the
+response's bytes), from the dispatch process's servicer (`server.grpc_server`). Each
 second a front end tells how late its loop's timer fired meanwhile (`late`, for /metrics).
 
 A `no` to an `h` may say until when the refusal stands for the model's next requests (`l`,
@@ -219,8 +222,10 @@ class Dispatch:
     by `server.main.build_app` without auth: the front ends check it) answers every
     request; its runtime's `refuse_early` and `release` decide and hold at the header."""
 
-    def __init__(self, app: Any, runtime: Any, version: str) -> None:
+    def __init__(self, app: Any, runtime: Any, version: str, grpc: Any = None) -> None:
         self.app = app
+        # the gRPC servicer (`server.grpc_server.InferenceServicer`) that answers `g`
+        self.grpc = grpc
         self.infer = app.state.infer_endpoint
         self.failed = app.state.metrics.failed
         self.metrics = app.state.metrics
@@ -266,6 +271,10 @@ class _DispatchLink(FrameReader):
             t.add_done_callback(self.tasks.discard)
         elif k == "c":
             self._check(meta)
+        elif k == "g":
+            t = asyncio.get_running_loop().create_task(self._answer_grpc(meta, payload))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
         elif k == "r":
             held = self.holds.pop(meta["i"], None)
             if held is not None:
@@ -359,6 +368,25 @@ class _DispatchLink(FrameReader):
             self.send(_refusal_meta(i, e))
             return
         self.send({"k": "go", "i": i})
+
+    async def _answer_grpc(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview
+                           ) -> None:
+        """`g`: the gRPC call `r` a front end received, answered by the servicer (its
+        status code `c`, details `e`, trailing metadata `T`, and the response's bytes)."""
+        at = meta.get("o")
+        if at is not None and self.shared is not None:  # in the front end's shared memory
+            payload = self.shared[at:at + meta["n"]]
+            self.d.metrics.frontends_shared_bodies += 1
+        if self.d.grpc is None:  # (front ends are told to serve gRPC only with one)
+            code, details, trailing, out = 14, "gRPC is not served", [], b""
+        else:
+            try:
+                code, details, trailing, out = await self.d.grpc.answer_linked(
+                    meta["r"], payload, meta.get("P"), meta.get("A", ()))
+            except Exception as e:  # noqa: BLE001 - the servicer answers its own; a bug
+                log.exception("unhandled error in gRPC %s", meta["r"])
+                code, details, trailing, out = 13, f"internal error: {e}", [], b""
+        self.send({"k": "a", "i": meta["i"], "c": code, "e": details, "T": trailing}, out)
 
     async def _answer(self, meta: dict[str, Any], payload: bytes | bytearray | memoryview
                       ) -> None:

@@ -185,12 +185,15 @@ class GrpcPort:
         self.explicit = explicit
         self.bound = False
 
-    def bind(self) -> None:
+    def bind(self, listen: bool = True) -> None:
+        """`listen`: False where the front ends will listen (`server.frontends` > 1): the
+        port is only tried."""
         try:
             # Tried with a socket of our own first: grpcio's failure also logs a line of
             # its own on stderr, and a start-up error is one line.
             bind(self.endpoint.host, self.endpoint.port).close()
-            self.endpoint.bind()
+            if listen:
+                self.endpoint.bind()
         except (OSError, OverflowError, RuntimeError):  # grpcio: "Failed to bind to ..."
             where = self.endpoint.address
             if self.explicit:
@@ -244,25 +247,27 @@ class _Dispatching:
             loop.add_signal_handler(sig, stop.set)
         if self.should_exit:
             return
-        if self.grpc is not None:  # served by this process, not by the front ends
-            self.grpc.bind()
-        try:
-            await self.runtime.start()
-        except BaseException:
-            if self.grpc is not None:
-                await self.grpc.stop(0)
-            raise
+        # gRPC: the front ends listen, this process answers their calls (its servicer)
+        grpc = self.grpc
+        if grpc is not None:
+            grpc.bind(listen=False)
+            if not grpc.bound:
+                grpc = None
+        await self.runtime.start()
         folder = Path(tempfile.mkdtemp(prefix="dstack-link-"))
         try:
-            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION)
+            dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION,
+                                None if grpc is None else grpc.endpoint.servicer)
             listening = await dispatch.listen(folder / "link")
             s = self.cfg.server
             fronts = FrontEnds(s.frontends, self.config_path, sock.fileno(), folder,
-                               self.frontend_cores)
+                               self.frontend_cores,
+                               None if grpc is None else grpc.endpoint.address)
             try:
                 await fronts.start(dispatch.hello, timeout_s=120)
-                if self.grpc is not None:
-                    await self.grpc.start()
+                if grpc is not None:
+                    log.info("gRPC (KServe v2 / Triton) on %s, served by the %d front ends",
+                             grpc.endpoint.address, s.frontends)
                 if not stop.is_set():
                     freeze_startup_objects()
                     self.started = True
@@ -271,9 +276,7 @@ class _Dispatching:
                     await stop.wait()
                     watch.cancel()
             finally:
-                # each drains its requests in flight
-                await asyncio.gather(fronts.stop(s.shutdown_grace_s),
-                                     *([self.grpc.stop(s.shutdown_grace_s)] if self.grpc else []))
+                await fronts.stop(s.shutdown_grace_s)  # each drains its requests in flight
                 listening.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -1,5 +1,5 @@
 """A real `dstack serve` with `server.frontends: 2` (docs/frontends.md): every route answers
-through the front-end processes as the one-process server does, refusals keep their
+through the front-end processes as the one-process server does, gRPC too, refusals keep their
 status, body and headers and are counted once by the dispatch process, a front end that
 dies is replaced while the other goes on serving. (SIGTERM and SIGINT draining through
 them: tests/e2e/test_server_lifecycle.py; the limits: tests/e2e/test_server_limits.py.)"""
@@ -22,18 +22,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
 
 from server.metrics import histogram_counts
+from tests.e2e.conftest import free_port
 from tests.e2e.server_process import TINY, ServerProcess, launch, wait_ready
 
 INFER = "/v2/models/tiny_cnn/infer"
+GRPC_ON = re.compile(r"gRPC \(KServe v2 / Triton\) on 127\.0\.0\.1:(\d+), served by the 2 "
+                     r"front ends")
 RESTARTED = re.compile(r"front end \d+ \(pid (\d+)\) exited with (-?\d+); starting another")
 
 
 def server_config(tmp_path: Path) -> dict:
     """This module's server (tests/e2e/conftest.py `module_server`)."""
-    return {"policy": "shared", "models": [TINY], "server": {"frontends": 2}}
+    return {"policy": "shared", "models": [TINY],
+            "server": {"frontends": 2, "grpc_port": free_port(), "allow_client_shm": True}}
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +213,92 @@ def test_every_route_answers_through_the_front_ends(srv: ServerProcess) -> None:
     # the binary ones (half) were passed in the front ends' shared memory, not over the link
     assert _shared_bodies(srv) - shared_before == k // 2
     assert len(_front_ends(srv)) == 2
+
+
+def _listening(port: int, pids: list[int]) -> set[int]:
+    """Those of `pids` that hold a socket listening on TCP `port` (grpcio's are IPv6
+    sockets with a v4-mapped address)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[1].endswith(f":{port:04X}") and f[3] == "0A":  # LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    held = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) in inodes:
+                    held.add(pid)
+            except OSError:  # closed meanwhile
+                pass
+    return held
+
+
+def test_grpc_is_served_by_the_front_ends_and_decided_by_the_dispatch_process(
+        srv: ServerProcess) -> None:
+    m = GRPC_ON.search(srv.text())
+    assert m is not None, srv.text()
+    port = int(m.group(1))
+    fronts = _front_ends(srv)
+    assert _listening(port, [srv.pid, *fronts]) == set(fronts)  # each front end, not it
+    before, _ = _successes(srv)
+    shared_before = _shared_bodies(srv)
+    g = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    h = httpclient.InferenceServerClient(srv.url)
+    regions = []
+    try:
+        rng = np.random.default_rng(0)
+        for n in (1, 8):  # 8 items: 98 KB, across the link in the front end's shared memory
+            x = rng.standard_normal((n, 3, 32, 32), dtype=np.float32)
+            inp = grpcclient.InferInput("input", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            hinp = httpclient.InferInput("input", list(x.shape), "FP32")
+            hinp.set_data_from_numpy(x, binary_data=True)
+            np.testing.assert_allclose(g.infer("tiny_cnn", [inp]).as_numpy("output"),
+                                       h.infer("tiny_cnn", [hinp]).as_numpy("output"),
+                                       rtol=1e-4, atol=1e-5)
+        with pytest.raises(InferenceServerException, match="unknown model 'nope'") as e:
+            g.infer("nope", [inp])
+        assert e.value.status() == "StatusCode.NOT_FOUND"
+        bad = grpcclient.InferInput("input", [1, 3, 31, 32], "FP32")
+        bad.set_data_from_numpy(np.zeros((1, 3, 31, 32), np.float32))
+        with pytest.raises(InferenceServerException, match="dimension 2") as e:
+            g.infer("tiny_cnn", [bad])
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        # a stream: each request answered, the bad one with its error
+        answers: list[tuple[object, object]] = []
+        g.start_stream(callback=lambda result, error: answers.append((result, error)))
+        for i in range(3):
+            g.async_stream_infer("tiny_cnn", [inp], request_id=f"r{i}")
+        g.async_stream_infer("tiny_cnn", [bad], request_id="bad")
+        g.stop_stream()  # waits for the answers
+        assert sorted(r.get_response().id for r, err in answers if err is None) == [
+            "r0", "r1", "r2"]
+        assert ["dimension 2" in str(err) for _, err in answers if err is not None] == [True]
+        # system shared memory over gRPC: the front end passes its client's address on
+        key = f"/fe_grpc_{os.getpid()}"
+        regions = [shm.create_shared_memory_region("in", key + "_in", x.nbytes),
+                   shm.create_shared_memory_region("out", key + "_out", 8 * 40)]
+        shm.set_shared_memory_region(regions[0], [x])
+        g.register_system_shared_memory("in", key + "_in", x.nbytes)
+        g.register_system_shared_memory("out", key + "_out", 8 * 40)
+        inp.set_shared_memory("in", x.nbytes)
+        out = grpcclient.InferRequestedOutput("output")
+        out.set_shared_memory("out", 8 * 40)
+        g.infer("tiny_cnn", [inp], outputs=[out])
+        np.testing.assert_allclose(shm.get_contents_as_numpy(regions[1], np.float32, [8, 10]),
+                                   h.infer("tiny_cnn", [hinp]).as_numpy("output"),
+                                   rtol=1e-4, atol=1e-5)
+        g.unregister_system_shared_memory()
+    finally:
+        for r in regions:
+            shm.destroy_shared_memory_region(r)
+        g.close()
+        h.close()
+    after, _ = _successes(srv)
+    assert after - before == 2 * 2 + 3 + 2  # counted once, by the dispatch process
+    assert _shared_bodies(srv) - shared_before >= 1 + 1  # gRPC's 98 KB and HTTP's binary
 
 
 def test_the_front_ends_loop_lateness_is_in_metrics(srv: ServerProcess) -> None:

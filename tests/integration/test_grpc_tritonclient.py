@@ -1,6 +1,8 @@
 """The gRPC endpoint (`server.grpc_server`) on a real grpcio asyncio server on 127.0.0.1,
 driven by the unmodified `tritonclient.grpc` clients (sync, streaming, aio), with the fake
-backend behind the same `ServingApi` the HTTP app builds."""
+backend behind the same `ServingApi` the HTTP app builds. Each test runs twice: served by
+the process that decides, and as a front end serves it (`server.frontends` > 1: the calls
+cross a real link to the deciding process's servicer)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import queue
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +26,8 @@ from tritonclient.utils import InferenceServerException
 from dstack.common.config import ServerConfig
 from dstack.common.errors import Overloaded
 from server.app import create_app
-from server.grpc_server import GrpcEndpoint
+from server.grpc_server import FrontEndGrpc, GrpcEndpoint
+from server.link import Dispatch, Link
 from tests.integration.fakes import FakeBackend
 
 TOKEN = "s3cret"
@@ -36,9 +40,12 @@ def _free_port() -> int:
 
 
 class _Served:
-    """A gRPC endpoint over a fresh fake backend, on its own event loop in a thread."""
+    """A gRPC endpoint over a fresh fake backend, on its own event loop in a thread.
+    `linked`: the endpoint is a front end's (`FrontEndGrpc`), linked over a Unix socket to
+    the servicer of the app's process (`Dispatch`), as with `server.frontends` > 1."""
 
-    def __init__(self, token: str | None = None, backend: FakeBackend | None = None) -> None:
+    def __init__(self, token: str | None = None, backend: FakeBackend | None = None,
+                 linked: bool = False, folder: Path | None = None) -> None:
         self.backend = backend or FakeBackend()
         self.app = create_app(self.backend, max_body_bytes=4096)
         cfg = ServerConfig(max_body_bytes=4096, body_budget_bytes=4096)
@@ -46,8 +53,18 @@ class _Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        if linked:
+            assert folder is not None
+            self.call(self._link(cfg, folder / "link"))
         self.call(self._start())
         self.url = f"127.0.0.1:{self.endpoint.port}"
+
+    async def _link(self, cfg: ServerConfig, path: Path) -> None:
+        dispatch = Dispatch(self.app, None, "1", self.endpoint.servicer)
+        self.listening = await dispatch.listen(path)
+        link = Link(lambda: None)
+        await asyncio.get_running_loop().create_unix_connection(lambda: link, str(path))
+        self.endpoint = FrontEndGrpc(link, cfg, "127.0.0.1", _free_port())
 
     async def _start(self) -> None:
         self.endpoint.bind()
@@ -63,9 +80,14 @@ class _Served:
         self.loop.close()
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["direct", "front end"])
+def linked(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[_Served]:
-    s = _Served()
+def served(linked: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Served]:
+    s = _Served(linked=linked, folder=tmp_path_factory.mktemp("link"))
     yield s
     s.close()
 
@@ -203,8 +225,8 @@ def test_aio_client(served: _Served) -> None:
     np.testing.assert_array_equal(asyncio.run(main()), [[2, 4, 6]])
 
 
-def test_token_required_as_http_requires_it() -> None:
-    s = _Served(token=TOKEN)
+def test_token_required_as_http_requires_it(linked: bool, tmp_path: Path) -> None:
+    s = _Served(token=TOKEN, linked=linked, folder=tmp_path)
     c = triton.InferenceServerClient(s.url)
     try:
         assert c.is_server_live()  # /v2/health/ is open, as over HTTP
@@ -234,8 +256,9 @@ class _Refusing(FakeBackend):
             raise e
 
 
-def test_a_refusal_is_unavailable_with_its_rule_as_triton_answers_a_full_queue() -> None:
-    s = _Served(backend=_Refusing())
+def test_a_refusal_is_unavailable_with_its_rule_as_triton_answers_a_full_queue(
+        linked: bool, tmp_path: Path) -> None:
+    s = _Served(backend=_Refusing(), linked=linked, folder=tmp_path)
     try:
         with grpc.insecure_channel(s.url) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
