@@ -6,6 +6,7 @@ Triton (`bench.bench_triton`) beside it. Written to out/bench/protocols.json
 (docs/benchmarks.md, docs/shared-memory.md).
 
     python -m bench.bench_protocols --seconds 10 --clients 8,64 [--triton-python PYTHON]
+        [--frontends N] [--protocols http,grpc,...] [--grpc-floor]
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -159,6 +162,23 @@ def measure(protocol: str, pids: list[int], make: Callable[[str], Client], secon
             "per_s": n / wall, "requests": n, "refused": sum(refused)}
 
 
+@contextmanager
+def grpc_floor(output_bytes: int) -> Iterator[tuple[str, int]]:
+    """`bench.grpc_floor` in a subprocess, ready: (its address, its PID); stopped by PID."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--port", str(port),
+                             "--output-bytes", str(output_bytes)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"bench.grpc_floor did not start (exit {proc.wait(10)})")
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=10, help="closed loop per protocol")
@@ -170,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="dstack's server.frontends; with more than 1, CPU 'own' is the "
                         "dispatch process's, and shm-http is left out (HTTP shared memory "
                         "needs frontends 1)")
+    p.add_argument("--grpc-floor", action="store_true",
+                   help="also grpcio alone (`bench.grpc_floor`: a ModelInfer that answers "
+                        "at once), on the grpc protocol")
     p.add_argument("--triton-python", default="", metavar="PYTHON",
                    help="also Triton: PyTriton under this Python (`make bench-triton`)")
     args = p.parse_args(argv)
@@ -196,11 +219,16 @@ def main(argv: list[str] | None = None) -> int:
             servers["triton"] = (t.host, t.grpc_url, pids)
         meta = get_json(f"{srv.host}/v2/models/{MODEL}")
         out_bytes = 4 * int(np.prod(meta["outputs"][0]["shape"][1:]))
+        if args.grpc_floor:
+            floor = stack.enter_context(grpc_floor(out_bytes))
+            servers["grpcio"] = ("", floor[0], [floor[1]])
         x = np.random.default_rng(0).random([1, *meta["inputs"][0]["shape"][1:]],
                                             dtype=np.float32)
         for clients in map(int, args.clients.split(",")):
             for protocol in protocols:
                 for name, (host, grpc_url, pids) in servers.items():
+                    if name == "grpcio" and protocol != "grpc":
+                        continue
                     make = partial(Client, protocol, host.removeprefix("http://"), grpc_url, x,
                                    out_bytes)
                     rows.append({"server": name, "protocol": protocol, "clients": clients,
@@ -213,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'refused':>7s}")
     by = {(r["server"], r["protocol"], r["clients"]): r for r in rows}
     for r in rows:
-        base = by.get((r["server"], "http", r["clients"]))
+        # grpcio alone is set beside dstack's HTTP
+        base = by.get((r["server"].replace("grpcio", "dstack"), "http", r["clients"]))
         print(f"{r['clients']:7d} {r['protocol']:9s} {r['server']:7s} {r['per_s']:7.0f} "
               f"{r['cpu_us']:7.0f} {r['user_us']:6.0f} {r['kernel_us']:6.0f} "
               f"{r['all_cpu_us']:7.0f} "
