@@ -243,11 +243,14 @@ class Aborted(Exception):
 
 class LinkedContext:
     """The servicer's context for a call a front end received: its peer and metadata, as
-    the front end saw them; `abort` raises `Aborted`."""
+    the front end saw them, and when it had the call (`received`, `time.monotonic()`,
+    which the processes of one host share); `abort` raises `Aborted`."""
 
-    def __init__(self, peer: str | None, metadata: Iterable[tuple[str, str]]) -> None:
+    def __init__(self, peer: str | None, metadata: Iterable[tuple[str, str]],
+                 received: float) -> None:
         self._peer = peer
         self._metadata = tuple((k, v) for k, v in metadata)
+        self.received = received
 
     def peer(self) -> str | None:
         return self._peer
@@ -356,16 +359,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(lambda r: f"/v2/models/{r.msg.model_name}/infer")
     async def ModelInfer(self, request: grpc_codec.InferMessage, context: Any) -> Any:
-        return await self.infer(request, context.peer())
+        return await self.infer(request, context)
 
     async def infer(self, request: grpc_codec.InferMessage,
-                    peer: str | None) -> pb.ModelInferResponse:
+                    context: Any) -> pb.ModelInferResponse:
         """One infer request through the HTTP route's path (`ServingApi`): admitted,
         refused by its batch before its values are converted, run, answered; a failure
         counted as HTTP counts it and raised (a refusal after its hold, as HTTP's)."""
         # grpc has the whole message by now: its deadline counts from here (a little
-        # later than HTTP's first byte).
-        received = time.monotonic()
+        # later than HTTP's first byte), or from when a front end had it.
+        received = (context.received if isinstance(context, LinkedContext)
+                    else time.monotonic())
         t0 = time.perf_counter()
         api = self.api
         msg = request.msg
@@ -373,7 +377,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         spec = api.spec_of(model, msg.model_version)  # NOT_FOUND: no label for it
         try:
             api.check_admission(model)
-            head = grpc_codec.parse_request(msg, spec, api.shm.access(peer), request.raw)
+            head = grpc_codec.parse_request(msg, spec, api.shm.access(context.peer()),
+                                        request.raw)
             req, outputs = await api.run(model, head, received)
             resp = grpc_codec.encode_response(model, req, outputs, spec, MODEL_VERSION)
         except DStackError as e:
@@ -407,7 +412,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self.authorize(context, f"/v2/models/{msg.model_name}/infer")
             return pb.ModelStreamInferResponse(
-                infer_response=await self.infer(request, context.peer()))
+                infer_response=await self.infer(request, context))
         except Exception as e:  # noqa: BLE001 - every request of the stream is answered
             if isinstance(e, DStackError):
                 message = e.message
@@ -419,12 +424,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     model_name=msg.model_name, model_version=msg.model_version, id=msg.id))
 
     async def answer_linked(self, rpc: str, data: bytes | memoryview, peer: str | None,
-                            metadata: Iterable[tuple[str, str]]
+                            metadata: Iterable[tuple[str, str]], received: float
                             ) -> tuple[int, str, list[tuple[str, str]], bytes]:
         """A call a front end received (`server.frontends`), answered as this servicer
         answers its own: `rpc` (a method's name; `ModelStreamInfer`: one request of a
-        stream) on the request's bytes, from `peer` with `metadata`. Returns the status
-        code's number, its details, the trailing metadata and the response's bytes."""
+        stream) on the request's bytes, from `peer` with `metadata`, had by the front end
+        at `received`. Returns the status code's number, its details, the trailing
+        metadata and the response's bytes."""
         if self._linked is None:
             self._linked = {m.name: (read, method, write)
                             for m, read, method, write in _methods(self)}
@@ -432,7 +438,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if entry is None:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no method {rpc!r}", [], b""
         read, method, write = entry
-        context = LinkedContext(peer, metadata)
+        context = LinkedContext(peer, metadata, received)
         if rpc == "ModelStreamInfer":
             answer = await self.stream_answer(self._linked["ModelInfer"][0](data), context)
             return 0, "", [], answer.SerializeToString()
@@ -618,7 +624,7 @@ class FrontEndGrpc(GrpcEndpoint):
         """`rpc` on `data` across the link: (code, details, trailing metadata, bytes)."""
         link = self.link
         meta: dict[str, Any] = {
-            "k": "g", "i": next(link.ids), "r": rpc, "P": context.peer(),
+            "k": "g", "i": next(link.ids), "r": rpc, "P": context.peer(), "t": time.monotonic(),
             "A": [(k, v) for k, v in context.invocation_metadata() or ()
                   if k == "authorization"]}
         shared = link.shared

@@ -382,7 +382,7 @@ class _DispatchLink(FrameReader):
         else:
             try:
                 code, details, trailing, out = await self.d.grpc.answer_linked(
-                    meta["r"], payload, meta.get("P"), meta.get("A", ()))
+                    meta["r"], payload, meta.get("P"), meta.get("A", ()), meta["t"])
             except Exception as e:  # noqa: BLE001 - the servicer answers its own; a bug
                 log.exception("unhandled error in gRPC %s", meta["r"])
                 code, details, trailing, out = 13, f"internal error: {e}", [], b""

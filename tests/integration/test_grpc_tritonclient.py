@@ -10,6 +10,7 @@ import asyncio
 import queue
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,38 @@ def test_malformed_and_fuzzed_messages_are_invalid_argument_never_internal(
     assert grpc.StatusCode.INVALID_ARGUMENT in codes
     assert sorted(bool(a.error_message) for a in answers) == [False, True]
     assert any("malformed" in a.error_message for a in answers)
+
+
+class _Timing(FakeBackend):
+    """Keeps how long each request had waited when it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[float] = []
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray],
+                    since_received_s: float = 0.0) -> dict[str, np.ndarray]:
+        self.waited.append(since_received_s)
+        return await super().infer(model, inputs, since_received_s)
+
+
+def test_a_front_ends_call_counts_its_deadline_from_when_the_front_end_had_it() -> None:
+    """A call that waited in its front end (a busy link, a stalled loop) has that much
+    less time: the servicer answers it from the front end's time, not its own."""
+    s = _Served(backend=_Timing())
+    try:
+        req = pb.ModelInferRequest(model_name="double")
+        req.inputs.add(name="x", datatype="FP32", shape=[1, 3])
+        req.raw_input_contents.append(np.ones((1, 3), np.float32).tobytes())
+        servicer = s.endpoint.servicer
+        assert servicer is not None
+        code, _, _, out = s.call(servicer.answer_linked(
+            "ModelInfer", req.SerializeToString(), "ipv4:127.0.0.1:5", [],
+            time.monotonic() - 2.0))
+        assert code == 0 and pb.ModelInferResponse.FromString(out).outputs[0].name == "y"
+        assert s.backend.waited[-1] >= 2.0  # type: ignore[attr-defined]
+        code, details, _, _ = s.call(servicer.answer_linked(
+            "NoSuchMethod", b"", None, [], time.monotonic()))
+        assert code == grpc.StatusCode.UNIMPLEMENTED.value[0] and "NoSuchMethod" in details
+    finally:
+        s.close()
