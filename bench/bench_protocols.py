@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"some of {','.join(PROTOCOLS)}")
     p.add_argument("--frontends", type=int, default=1,
                    help="dstack's server.frontends; with more than 1, CPU 'own' is the "
-                        "dispatch process's, and shm-http is left out (HTTP shared memory "
-                        "needs frontends 1)")
+                        "server's process's, the front ends apart")
     p.add_argument("--grpc-floor", action="store_true",
                    help="also grpcio alone (`bench.grpc_floor`: a ModelInfer that answers "
                         "at once), on the grpc protocol")
@@ -199,9 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     protocols = [q for q in args.protocols.split(",") if q]
     if unknown := set(protocols) - set(PROTOCOLS):
         p.error(f"--protocols: unknown {sorted(unknown)}; give some of {','.join(PROTOCOLS)}")
-    if args.frontends > 1 and "shm-http" in protocols:
-        protocols.remove("shm-http")
-        print("shm-http left out: over HTTP, shared memory needs --frontends 1")
     OUT.mkdir(parents=True, exist_ok=True)
     grpc_port = free_port()
     cfg = OUT / "protocols.yaml"

@@ -215,6 +215,9 @@ class FrontEnd:
             meta = {"k": "x", "i": i, "M": scope["method"], "p": scope["path"],
                     "q": scope["query_string"].decode("latin-1"),
                     "H": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]}
+        client = scope.get("client")
+        if client:  # whose shared memory the request may name (`server.shm`)
+            meta["c"] = client[0]
         try:
             reply, out = await self.link.call(meta, body,
                                               None if shared is None else shared.free)

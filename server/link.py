@@ -420,7 +420,8 @@ class _DispatchLink(FrameReader):
             "raw_path": meta["p"].encode(), "query_string": meta.get("q", "").encode(),
             "root_path": "", "headers": [(k.encode("latin-1"), v.encode("latin-1"))
                                          for k, v in meta.get("H", ())],
-            "client": None, "server": None, "state": {}, RECEIVED_AT: meta.get("t"),
+            "client": (meta["c"], 0) if "c" in meta else None, "server": None, "state": {},
+            RECEIVED_AT: meta.get("t"),
         }
         held = self.holds.pop(i, None)
         try:

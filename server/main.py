@@ -366,10 +366,6 @@ def serve(config_path: str | Path, host: str | None = None, port: int | None = N
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         host_cores = available_cores()
         cfg = _with_frontends(cfg, len(host_cores))
-        if cfg.server.allow_client_shm and cfg.server.frontends > 1:
-            log.warning("server.allow_client_shm: shared memory is served over gRPC only "
-                        "with server.frontends %d (set frontends: 1 for HTTP too)",
-                        cfg.server.frontends)
         at = host if host is not None else cfg.server.host
         token = load_token(cfg.server)
         steady_server_heap()

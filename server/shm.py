@@ -447,8 +447,7 @@ class SharedMemory:
         if not self.allowed:
             raise NO_ACCESS.error
         if not is_local_peer(peer):
-            who = peer or ("not known (with server.frontends > 1 HTTP requests come "
-                           "through a front end: use frontends: 1, or gRPC)")
+            who = peer or "not known"
             raise Forbidden("shared memory is only for clients on this host (loopback or "
                             f"a Unix socket); this one is {who}")
         return self.registry

@@ -301,6 +301,36 @@ def test_grpc_is_served_by_the_front_ends_and_decided_by_the_dispatch_process(
     assert _shared_bodies(srv) - shared_before >= 1 + 1  # gRPC's 98 KB and HTTP's binary
 
 
+def test_shared_memory_over_http_through_the_front_ends(srv: ServerProcess) -> None:
+    """A front end passes on its client's address: a client on this host registers a
+    region over HTTP and infers from and into it, as with one process."""
+    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    key = f"/fe_http_{os.getpid()}"
+    regions = [shm.create_shared_memory_region("hin", key + "_in", x.nbytes),
+               shm.create_shared_memory_region("hout", key + "_out", 2 * 40)]
+    h = httpclient.InferenceServerClient(srv.url)
+    try:
+        shm.set_shared_memory_region(regions[0], [x])
+        h.register_system_shared_memory("hin", key + "_in", x.nbytes)
+        h.register_system_shared_memory("hout", key + "_out", 2 * 40)
+        assert {r["name"] for r in h.get_system_shared_memory_status()} == {"hin", "hout"}
+        inp = httpclient.InferInput("input", list(x.shape), "FP32")
+        inp.set_shared_memory("hin", x.nbytes)
+        out = httpclient.InferRequestedOutput("output")
+        out.set_shared_memory("hout", 2 * 40)
+        h.infer("tiny_cnn", [inp], outputs=[out])
+        plain = httpclient.InferInput("input", list(x.shape), "FP32")
+        plain.set_data_from_numpy(x, binary_data=True)
+        np.testing.assert_allclose(shm.get_contents_as_numpy(regions[1], np.float32, [2, 10]),
+                                   h.infer("tiny_cnn", [plain]).as_numpy("output"),
+                                   rtol=1e-4, atol=1e-5)
+        h.unregister_system_shared_memory()
+    finally:
+        for r in regions:
+            shm.destroy_shared_memory_region(r)
+        h.close()
+
+
 def test_the_front_ends_loop_lateness_is_in_metrics(srv: ServerProcess) -> None:
     # each front end ticks a 10 ms timer and reports its counts each second
     deadline = time.monotonic() + 10
