@@ -437,6 +437,20 @@ def test_a_killed_front_end_is_replaced_and_requests_go_on(srv: ServerProcess) -
         assert _shared_bodies(srv) - shared == 5  # in the replacement's own shared memory
     finally:
         os.kill(old[1], signal.SIGCONT)
+    # the replacement listens on the gRPC port too: new connections, spread over both
+    m = GRPC_ON.search(srv.text())
+    assert m is not None
+    assert _listening(int(m.group(1)), now) == set(now)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    for _ in range(10):
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{m.group(1)}")
+        try:
+            inp = grpcclient.InferInput("input", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            assert g.infer("tiny_cnn", [inp], client_timeout=30).as_numpy("output").shape == (
+                1, 10)
+        finally:
+            g.close()
     exits = RESTARTED.findall(srv.text())
     assert exits == [(str(victim), str(-signal.SIGKILL))], srv.text()
 
