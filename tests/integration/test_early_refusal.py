@@ -3,7 +3,6 @@ uvicorn with the server's own protocol over a fake backend that refuses on deman
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import socket
@@ -26,6 +25,7 @@ from dstack.common.pauses import Lateness
 from dstack.runtime.dispatch import RefusalReason
 from dstack.runtime.serving import refusal_error
 from server.metrics import histogram_counts
+from tests.integration.certs import self_signed
 from tests.integration.fakes import FakeBackend
 
 BODY = 600_000  # a 3x224x224 FP32 image, about
@@ -707,39 +707,12 @@ def test_a_request_let_through_at_its_header_holds_its_place_until_it_is_back() 
         assert backend.most == 1
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, PEM files in `tmp_path`."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
-
-
 def test_over_tls_a_connection_that_never_begins_its_handshake_is_closed_in_the_header_timeout(
         tmp_path: Path) -> None:
     """A TLS connection reaches the server's protocol (its header timeout, the connection
     cap) only once its handshake is done; asyncio's and uvloop's handshake timeout, 60 s,
     held one that never began it that long. Now it is the header timeout."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     with _serving(tls={"tls_certfile": str(cert), "tls_keyfile": str(key)},
                   server={"header_timeout_s": 1}) as (addr, _):
         with socket.create_connection(addr, timeout=15) as s:
@@ -758,7 +731,7 @@ def test_over_tls_big_bodies_are_read_whole_and_refusals_keep_the_connection(
     dropped in the kernel): a 600 KB body sent in pieces is served whole, a request
     refused from its header is answered before its body, and the connection then serves
     the next one."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     ctx = ssl.create_default_context(cafile=str(cert))
     xs = [0.5, -1.25, 3.0]
     doc = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32",

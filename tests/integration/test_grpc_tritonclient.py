@@ -29,6 +29,7 @@ from dstack.common.errors import Overloaded
 from server.app import create_app
 from server.grpc_server import FrontEndGrpc, GrpcEndpoint
 from server.link import Dispatch, Link
+from tests.integration.certs import self_signed
 from tests.integration.fakes import FakeBackend
 
 TOKEN = "s3cret"
@@ -46,10 +47,12 @@ class _Served:
     the servicer of the app's process (`Dispatch`), as with `server.frontends` > 1."""
 
     def __init__(self, token: str | None = None, backend: FakeBackend | None = None,
-                 linked: bool = False, folder: Path | None = None) -> None:
+                 linked: bool = False, folder: Path | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
         self.backend = backend or FakeBackend()
         self.app = create_app(self.backend, max_body_bytes=4096)
-        cfg = ServerConfig(max_body_bytes=4096, body_budget_bytes=4096)
+        cfg = ServerConfig(max_body_bytes=4096, body_budget_bytes=4096,
+                           tls_certfile=tls and tls[0], tls_keyfile=tls and tls[1])
         self.endpoint = GrpcEndpoint(self.app.state.api, cfg, "127.0.0.1", _free_port(), token)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -242,6 +245,23 @@ def test_token_required_as_http_requires_it(linked: bool, tmp_path: Path) -> Non
         np.testing.assert_array_equal(y, [[2, 2, 2]])
     finally:
         c.close()
+        s.close()
+
+
+def test_tls_with_the_http_servers_certificate(linked: bool, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    s = _Served(linked=linked, folder=tmp_path, tls=(cert, key))
+    secure = triton.InferenceServerClient(s.url, ssl=True, root_certificates=str(cert))
+    plain = triton.InferenceServerClient(s.url)
+    try:
+        y = secure.infer("double", [_x(np.ones((1, 3), np.float32))]).as_numpy("y")
+        np.testing.assert_array_equal(y, [[2, 2, 2]])
+        with pytest.raises(InferenceServerException) as e:  # no TLS: no answer
+            plain.is_server_live(client_timeout=5)
+        assert _code(e) in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+    finally:
+        secure.close()
+        plain.close()
         s.close()
 
 
