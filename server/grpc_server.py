@@ -67,7 +67,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dstack.server")
 
-SERVICE = "inference.GRPCInferenceService"
+#: The service's descriptor (`inference.GRPCInferenceService`).
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
 #: A `DStackError`'s HTTP status -> the gRPC status it is answered with (module docstring).
 STATUS_CODES: dict[int, grpc.StatusCode] = {
@@ -137,8 +138,7 @@ def _methods(servicer: pb_grpc.GRPCInferenceServiceServicer
              ) -> Iterable[tuple[Any, Callable[[bytes], Any], Any, Callable[[Any], bytes]]]:
     """Each RPC of the service (its descriptor), with its requests' deserializer
     (`_lenient`), `servicer`'s method and its responses' serializer."""
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    for m in service.methods:
+    for m in SERVICE.methods:
         yield (m, _lenient(getattr(pb, m.input_type.name)), getattr(servicer, m.name),
                getattr(pb, m.output_type.name).SerializeToString)
 
@@ -151,7 +151,7 @@ def service_handler(servicer: pb_grpc.GRPCInferenceServiceServicer) -> grpc.Gene
         make = (grpc.stream_stream_rpc_method_handler if m.client_streaming
                 else grpc.unary_unary_rpc_method_handler)
         handlers[m.name] = make(method, request_deserializer=read, response_serializer=write)
-    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -589,15 +589,14 @@ class FrontEndGrpc(GrpcEndpoint):
         self.link = link
 
     def handler(self) -> grpc.GenericRpcHandler:
-        service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
         handlers = {}
-        for m in service.methods:
+        for m in SERVICE.methods:
             if m.client_streaming:
                 handlers[m.name] = grpc.stream_stream_rpc_method_handler(self._stream)
             else:
                 handlers[m.name] = grpc.unary_unary_rpc_method_handler(
                     self._unary(m.name))
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
     def _unary(self, rpc: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
         async def call(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
