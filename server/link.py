@@ -19,10 +19,12 @@ socket, and its space is the front end's again when the answer `a` comes.
 
 While a big body arrives, `c` asks again every `CHECK_EVERY_BYTES` (`go` or `no`); a request
 that ends before its body was sent (a 413, a client gone) gives its hold back (`r`).
-Every other route goes whole as `x` and is answered by the dispatch process's app. A gRPC
-call goes as `g` (the method, the peer, the `authorization` metadata; the request's bytes,
-a big one in the shared memory) -> `a` (status code, details, trailing metadata; the
-response's bytes), from the dispatch process's servicer (`server.grpc_server`). Each
+Every other route goes whole as `x` and is answered by the dispatch process's app; `b` and
+`x` carry the client's address (`c`: whose shared memory it may name, `server.shm`). A
+gRPC call goes as `g` (the method, the peer, the `authorization` metadata, when the front
+end had it; the request's bytes, a big one in the shared memory) -> `a` (status code,
+details, trailing metadata; the response's bytes), from the dispatch process's servicer
+(`server.grpc_server`). Each
 second a front end tells how late its loop's timer fired meanwhile (`late`, for /metrics).
 
 A `no` to an `h` may say until when the refusal stands for the model's next requests (`l`,
