@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -246,7 +247,6 @@ def test_grpc_is_served_by_the_front_ends_and_decided_by_the_dispatch_process(
     shared_before = _shared_bodies(srv)
     g = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     h = httpclient.InferenceServerClient(srv.url)
-    regions = []
     try:
         rng = np.random.default_rng(0)
         for n in (1, 8):  # 8 items: 98 KB, across the link in the front end's shared memory
@@ -277,23 +277,10 @@ def test_grpc_is_served_by_the_front_ends_and_decided_by_the_dispatch_process(
             "r0", "r1", "r2"]
         assert ["dimension 2" in str(err) for _, err in answers if err is not None] == [True]
         # system shared memory over gRPC: the front end passes its client's address on
-        key = f"/fe_grpc_{os.getpid()}"
-        regions = [shm.create_shared_memory_region("in", key + "_in", x.nbytes),
-                   shm.create_shared_memory_region("out", key + "_out", 8 * 40)]
-        shm.set_shared_memory_region(regions[0], [x])
-        g.register_system_shared_memory("in", key + "_in", x.nbytes)
-        g.register_system_shared_memory("out", key + "_out", 8 * 40)
-        inp.set_shared_memory("in", x.nbytes)
-        out = grpcclient.InferRequestedOutput("output")
-        out.set_shared_memory("out", 8 * 40)
-        g.infer("tiny_cnn", [inp], outputs=[out])
-        np.testing.assert_allclose(shm.get_contents_as_numpy(regions[1], np.float32, [8, 10]),
+        np.testing.assert_allclose(_infer_in_regions(grpcclient, g, x),
                                    h.infer("tiny_cnn", [hinp]).as_numpy("output"),
                                    rtol=1e-4, atol=1e-5)
-        g.unregister_system_shared_memory()
     finally:
-        for r in regions:
-            shm.destroy_shared_memory_region(r)
         g.close()
         h.close()
     after, _ = _successes(srv)
@@ -301,33 +288,41 @@ def test_grpc_is_served_by_the_front_ends_and_decided_by_the_dispatch_process(
     assert _shared_bodies(srv) - shared_before >= 1 + 1  # gRPC's 98 KB and HTTP's binary
 
 
-def test_shared_memory_over_http_through_the_front_ends(srv: ServerProcess) -> None:
-    """A front end passes on its client's address: a client on this host registers a
-    region over HTTP and infers from and into it, as with one process."""
-    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32), dtype=np.float32)
-    key = f"/fe_http_{os.getpid()}"
-    regions = [shm.create_shared_memory_region("hin", key + "_in", x.nbytes),
-               shm.create_shared_memory_region("hout", key + "_out", 2 * 40)]
-    h = httpclient.InferenceServerClient(srv.url)
+def _infer_in_regions(lib: Any, client: Any, x: np.ndarray) -> np.ndarray:
+    """tiny_cnn on `x`, its input and output in system shared-memory regions that `client`
+    (of `lib`: tritonclient.http or .grpc) registers and removes: the output read back."""
+    key = f"/fe_{lib.__name__.rsplit('.', 1)[1]}_{os.getpid()}"
+    n = x.shape[0]
+    regions = [shm.create_shared_memory_region("in", key + "_in", x.nbytes),
+               shm.create_shared_memory_region("out", key + "_out", n * 40)]
     try:
         shm.set_shared_memory_region(regions[0], [x])
-        h.register_system_shared_memory("hin", key + "_in", x.nbytes)
-        h.register_system_shared_memory("hout", key + "_out", 2 * 40)
-        assert {r["name"] for r in h.get_system_shared_memory_status()} == {"hin", "hout"}
-        inp = httpclient.InferInput("input", list(x.shape), "FP32")
-        inp.set_shared_memory("hin", x.nbytes)
-        out = httpclient.InferRequestedOutput("output")
-        out.set_shared_memory("hout", 2 * 40)
-        h.infer("tiny_cnn", [inp], outputs=[out])
-        plain = httpclient.InferInput("input", list(x.shape), "FP32")
-        plain.set_data_from_numpy(x, binary_data=True)
-        np.testing.assert_allclose(shm.get_contents_as_numpy(regions[1], np.float32, [2, 10]),
-                                   h.infer("tiny_cnn", [plain]).as_numpy("output"),
-                                   rtol=1e-4, atol=1e-5)
-        h.unregister_system_shared_memory()
+        client.register_system_shared_memory("in", key + "_in", x.nbytes)
+        client.register_system_shared_memory("out", key + "_out", n * 40)
+        inp = lib.InferInput("input", list(x.shape), "FP32")
+        inp.set_shared_memory("in", x.nbytes)
+        out = lib.InferRequestedOutput("output")
+        out.set_shared_memory("out", n * 40)
+        client.infer("tiny_cnn", [inp], outputs=[out])
+        return shm.get_contents_as_numpy(regions[1], np.float32, [n, 10]).copy()
     finally:
+        client.unregister_system_shared_memory()
         for r in regions:
             shm.destroy_shared_memory_region(r)
+
+
+def test_shared_memory_over_http_through_the_front_ends(srv: ServerProcess) -> None:
+    """A front end passes on its client's address: a client on this host registers
+    regions over HTTP and infers from and into them, as with one process."""
+    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    h = httpclient.InferenceServerClient(srv.url)
+    try:
+        plain = httpclient.InferInput("input", list(x.shape), "FP32")
+        plain.set_data_from_numpy(x, binary_data=True)
+        np.testing.assert_allclose(_infer_in_regions(httpclient, h, x),
+                                   h.infer("tiny_cnn", [plain]).as_numpy("output"),
+                                   rtol=1e-4, atol=1e-5)
+    finally:
         h.close()
 
 
