@@ -1,8 +1,9 @@
 """The server's CPU per request by protocol, side by side in one run against one server:
 HTTP with binary tensors, gRPC, and system shared memory (over HTTP and over gRPC), each
 a 600 KB batch-1 request of a model of next to no compute (`pool_linear`), sent in closed
-loop by `--clients` threads of unmodified tritonclient clients; with `--triton-python`,
-Triton (`bench.bench_triton`) beside it. Written to out/bench/protocols.json
+loop by `--clients` threads of unmodified tritonclient clients, and the median time a
+request took (`--clients 1`: the unloaded latency); with `--triton-python`, Triton
+(`bench.bench_triton`) beside it. Written to out/bench/protocols.json
 (docs/benchmarks.md, docs/shared-memory.md).
 
     python -m bench.bench_protocols --seconds 10 --clients 8,64 [--triton-python PYTHON]
@@ -111,6 +112,7 @@ def measure(protocol: str, pids: list[int], make: Callable[[str], Client], secon
     done, read = threading.Barrier(clients + 1), threading.Barrier(clients + 1)
     errors: list[BaseException] = []
     sent, refused = [0] * clients, [0] * clients
+    took: list[list[float]] = [[] for _ in range(clients)]  # each request's seconds
 
     def run(i: int) -> None:
         c = None
@@ -120,7 +122,9 @@ def measure(protocol: str, pids: list[int], make: Callable[[str], Client], secon
                 c.send()
             start.wait()
             while time.perf_counter() < end[-1]:
+                t0 = time.perf_counter()
                 refused[i] += not c.send()
+                took[i].append(time.perf_counter() - t0)
                 sent[i] += 1
         except BaseException as e:  # noqa: BLE001 - reported after the join
             errors.append(e)
@@ -159,7 +163,8 @@ def measure(protocol: str, pids: list[int], make: Callable[[str], Client], secon
     n = sum(sent)
     return {"cpu_us": 1e6 * (u1 - u0 + s1 - s0) / n, "user_us": 1e6 * (u1 - u0) / n,
             "kernel_us": 1e6 * (s1 - s0) / n, "all_cpu_us": 1e6 * (a1 - a0) / n,
-            "per_s": n / wall, "requests": n, "refused": sum(refused)}
+            "per_s": n / wall, "requests": n, "refused": sum(refused),
+            "p50_ms": 1000 * float(np.median([t for ts in took for t in ts]))}
 
 
 @contextmanager
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.seconds:g} s of each, closed loop; CPU: the server's own process, and all")
     print(f"{'clients':>7s} {'protocol':9s} {'server':7s} {'req/s':>7s} {'CPU us':>7s} "
           f"{'user':>6s} {'kernel':>6s} {'all us':>7s} {'CPU/HTTP':>8s} {'req/s/HTTP':>10s} "
-          f"{'refused':>7s}")
+          f"{'refused':>7s} {'p50 ms':>7s}")
     by = {(r["server"], r["protocol"], r["clients"]): r for r in rows}
     for r in rows:
         # grpcio alone is set beside dstack's HTTP
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cpu_us']:7.0f} {r['user_us']:6.0f} {r['kernel_us']:6.0f} "
               f"{r['all_cpu_us']:7.0f} "
               + (f"{r['cpu_us'] / base['cpu_us']:8.2f} {r['per_s'] / base['per_s']:10.2f} "
-                 if base else f"{'':8s} {'':10s} ") + f"{r['refused']:7d}")
+                 if base else f"{'':8s} {'':10s} ") + f"{r['refused']:7d} {r['p50_ms']:7.2f}")
     for r in rows:
         if r["server"] == "dstack" and (tr := by.get(("triton", r["protocol"], r["clients"]))):
             print(f"dstack / Triton, {r['protocol']}, {r['clients']} clients: req/s "

@@ -115,6 +115,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def reserve(host: str, port: int) -> socket.socket:
+    """A socket bound to `port` with SO_REUSEPORT and never listening: it takes no
+    connection, and keeps the port from every other bind but those of this user's
+    processes that set SO_REUSEPORT too (the front ends' gRPC servers)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def make_server(app: FastAPI, cfg: ServerConfig | None = None, *,
                 log_level: str | None = None) -> uvicorn.Server:
     """A uvicorn server for `app`; run it with `server.run(sockets=[bind(host, port)])`."""
@@ -184,16 +199,20 @@ class GrpcPort:
         self.endpoint = endpoint
         self.explicit = explicit
         self.bound = False
+        self.held: socket.socket | None = None
 
     def bind(self, listen: bool = True) -> None:
         """`listen`: False where the front ends will listen (`server.frontends` > 1): the
-        port is only tried."""
+        port is held for them (`reserve`) until `stop`."""
         try:
             # Tried with a socket of our own first: grpcio's failure also logs a line of
-            # its own on stderr, and a start-up error is one line.
+            # its own on stderr, and a start-up error is one line. (A plain bind fails
+            # where another server's front ends hold the port: `reserve` alone would not.)
             bind(self.endpoint.host, self.endpoint.port).close()
             if listen:
                 self.endpoint.bind()
+            else:
+                self.held = reserve(self.endpoint.host, self.endpoint.port)
         except (OSError, OverflowError, RuntimeError):  # grpcio: "Failed to bind to ..."
             where = self.endpoint.address
             if self.explicit:
@@ -212,6 +231,9 @@ class GrpcPort:
 
     async def stop(self, grace_s: float | None) -> None:
         await self.endpoint.stop(grace_s or 0.0)
+        if self.held is not None:
+            self.held.close()
+            self.held = None
 
 
 class _Dispatching:
@@ -253,7 +275,12 @@ class _Dispatching:
             grpc.bind(listen=False)
             if not grpc.bound:
                 grpc = None
-        await self.runtime.start()
+        try:
+            await self.runtime.start()
+        except BaseException:
+            if grpc is not None:
+                await grpc.stop(0)  # the port held for the front ends
+            raise
         folder = Path(tempfile.mkdtemp(prefix="dstack-link-"))
         try:
             dispatch = Dispatch(self.app, self.runtime, MODEL_VERSION,
@@ -277,6 +304,8 @@ class _Dispatching:
                     watch.cancel()
             finally:
                 await fronts.stop(s.shutdown_grace_s)  # each drains its requests in flight
+                if grpc is not None:
+                    await grpc.stop(0)  # the port held for the front ends
                 listening.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -12,6 +12,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -29,7 +31,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from server.metrics import histogram_counts
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import ROOT, free_port
 from tests.e2e.server_process import TINY, ServerProcess, launch, wait_ready
 
 INFER = "/v2/models/tiny_cnn/infer"
@@ -286,6 +288,26 @@ def test_grpc_is_served_by_the_front_ends_and_decided_by_the_dispatch_process(
     after, _ = _successes(srv)
     assert after - before == 2 * 2 + 3 + 2  # counted once, by the dispatch process
     assert _shared_bodies(srv) - shared_before >= 1 + 1  # gRPC's 98 KB and HTTP's binary
+
+
+def test_the_grpc_port_of_the_front_ends_is_refused_to_another_server(
+        srv: ServerProcess, tmp_path: Path) -> None:
+    """The front ends share the port (SO_REUSEPORT); another server asking for it,
+    with one process or with front ends of its own, fails to start with one line."""
+    m = GRPC_ON.search(srv.text())
+    assert m is not None
+    for frontends in (1, 2):
+        cfg = tmp_path / f"deploy{frontends}.yaml"
+        cfg.write_text(f"models: [{{name: tiny_cnn, slo_ms: 10000}}]\n"
+                       f"server: {{frontends: {frontends}}}\n")
+        proc = subprocess.run(
+            [sys.executable, "-m", "dstack.cli", "serve", "--config", str(cfg), "--host",
+             "127.0.0.1", "--port", "0", "--grpc-port", m.group(1)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("error: cannot listen for gRPC"), errors
+    assert _listening(int(m.group(1)), [srv.pid, *_front_ends(srv)]) == set(_front_ends(srv))
 
 
 def _infer_in_regions(lib: Any, client: Any, x: np.ndarray) -> np.ndarray:
