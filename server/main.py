@@ -9,6 +9,7 @@ stop and the process exits 0. `docs/limits.md` describes every limit.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ipaddress
 import logging
 import shutil
@@ -17,8 +18,8 @@ import socket
 import ssl
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
@@ -115,6 +116,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextmanager
+def port_lock(port: int) -> Iterator[None]:
+    """This host's `dstack serve` processes, one at a time, between trying `port` and
+    binding it (an exclusive lock on a file in the temp folder; none where that file
+    cannot be opened, e.g. another user's)."""
+    try:
+        f = open(Path(tempfile.gettempdir()) / f"dstack-port-{port}.lock", "a")  # noqa: SIM115
+    except OSError:
+        f = None
+    if f is None:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # (closing the file releases the lock)
+
+
 def reserve(host: str, port: int) -> socket.socket:
     """A socket bound to `port` with SO_REUSEPORT and never listening: it takes no
     connection, and keeps the port from every other bind but those of this user's
@@ -208,11 +226,14 @@ class GrpcPort:
             # Tried with a socket of our own first: grpcio's failure also logs a line of
             # its own on stderr, and a start-up error is one line. (A plain bind fails
             # where another server's front ends hold the port: `reserve` alone would not.)
-            bind(self.endpoint.host, self.endpoint.port).close()
-            if listen:
-                self.endpoint.bind()
-            else:
-                self.held = reserve(self.endpoint.host, self.endpoint.port)
+            # Other servers started at the same time wait: between the try and grpcio's
+            # bind, one of them could take the port (`port_lock`).
+            with port_lock(self.endpoint.port):
+                bind(self.endpoint.host, self.endpoint.port).close()
+                if listen:
+                    self.endpoint.bind()
+                else:
+                    self.held = reserve(self.endpoint.host, self.endpoint.port)
         except (OSError, OverflowError, RuntimeError):  # grpcio: "Failed to bind to ..."
             where = self.endpoint.address
             if self.explicit:
