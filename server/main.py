@@ -102,17 +102,23 @@ def guard(app: FastAPI, backend: object, s: ServerConfig, auth_token: str | None
 def bind(host: str, port: int) -> socket.socket:
     """Bind the listening socket ourselves, so that port 0 resolves to a real port
     that can be logged (and read by tests) before the workers start."""
+    sock = _bound(host, port, socket.SO_REUSEADDR)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bound(host: str, port: int, option: int) -> socket.socket:
+    """A TCP socket with the socket-level `option` set, bound to (`host`, `port`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say TCP,
     # and without it every response waits ~40 ms for the client's delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, option, 1)
     try:
         sock.bind((host, port))
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
@@ -137,15 +143,7 @@ def reserve(host: str, port: int) -> socket.socket:
     """A socket bound to `port` with SO_REUSEPORT and never listening: it takes no
     connection, and keeps the port from every other bind but those of this user's
     processes that set SO_REUSEPORT too (the front ends' gRPC servers)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return _bound(host, port, socket.SO_REUSEPORT)
 
 
 def make_server(app: FastAPI, cfg: ServerConfig | None = None, *,
