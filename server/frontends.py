@@ -382,16 +382,24 @@ class FrontEnds:
         return subprocess.Popen([*self.argv, "--slot", str(k)], pass_fds=(self.fd,))
 
     async def start(self, hello: asyncio.Queue[int], timeout_s: float) -> None:
+        """All started and ready (each said hello); RuntimeError when one exits first or
+        they are not ready in `timeout_s`."""
         self.procs = [self._start(k) for k in range(self.n)]
         deadline = time.monotonic() + timeout_s
-        for _ in range(self.n):
+        ready = 0
+        while ready < self.n:
+            exited = [p.returncode for p in self.procs if p.poll() is not None]
+            if exited:
+                raise RuntimeError(f"a front end exited as it started (exit code "
+                                   f"{exited[0]}; its error is above)")
             left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"front ends not ready in {timeout_s:g} s")
             try:
-                await asyncio.wait_for(hello.get(), max(0.01, left))
+                await asyncio.wait_for(hello.get(), min(0.2, left))
+                ready += 1
             except TimeoutError:
-                codes = [p.poll() for p in self.procs]
-                raise RuntimeError(f"front ends not ready in {timeout_s:g} s "
-                                   f"(exit codes {codes})") from None
+                continue
 
     async def watch(self) -> None:
         """Restart a front end that died (its link's holds are given back as it closes)."""

@@ -9,13 +9,18 @@ import asyncio
 import itertools
 import json
 import random
+import socket
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from dstack.common.errors import DeadlineRefused, ModelNotFound
 from server.connection import ANSWER_LATER, LATER, RECEIVED_AT
-from server.frontends import DecisionBound, LinkHeaderCheck
+from server.frontends import DecisionBound, FrontEnds, LinkHeaderCheck
 from server.link import (
     READ_BYTES,
     REPORT_S,
@@ -438,3 +443,14 @@ def test_a_front_end_holds_a_held_refusal_and_the_refusals_that_stand_on_it() ->
         assert min(answered_at.values()) - t0 >= 0.09
 
     asyncio.run(go())
+
+
+def test_a_front_end_that_exits_as_it_starts_fails_the_start_at_once(tmp_path: Path) -> None:
+    """Its exit code is said when it exits, not after the whole wait for its hello."""
+    with socket.socket() as sock:
+        fronts = FrontEnds(2, tmp_path / "deploy.yaml", sock.fileno(), tmp_path, None)
+        fronts.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
+        with pytest.raises(RuntimeError, match="exited as it started.*exit code 3"):
+            asyncio.run(fronts.start(asyncio.Queue(), timeout_s=60))
+        for p in fronts.procs:
+            p.wait(10)
