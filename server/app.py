@@ -192,6 +192,7 @@ def create_app(
     app.state.metrics = metrics
     dashboard = install_dashboard(app, backend, metrics, MODEL_VERSION)  # GET /dashboard
     shm = SharedMemory(allow_client_shm)
+    shm.registry.forget_device_memory = backend.forget_device_memory
     api = ServingApi(backend, metrics, dashboard.latency.observe, shm)
     app.state.api = api  # what the gRPC endpoint serves (server.grpc_server)
     server_meta = api.server_meta

@@ -9,13 +9,16 @@ mapping: the server makes no copy of its own, the runtime's one copy into the wo
 arena is the only one. An output is written into it once, from the worker's answer.
 
 CUDA shared memory: a region is a `cudaIpcMemHandle_t` of another process's device memory,
-opened once at registration (`server.cuda_ipc`). Without a CUDA device every CUDA call is
-refused with a message that says so.
+opened once at registration (`dstack.runtime.cuda_ipc`). An input read from it is a
+`DeviceInput`: a CUDA worker opens the handle itself and copies the rows on the device;
+anything else reads it through the host. An output is written into it from the host.
+Without a CUDA device every CUDA call is refused with a message that says so.
 
 Every offset and size is checked against the region before anything is read or written
 (`RequestError`, 400 / INVALID_ARGUMENT, naming the region, the offset and the sizes).
 A region unregistered while a request still uses it stays mapped until that request is
-done: its arrays hold the mapping, which is closed when the last of them goes.
+done: its arrays (system) or inputs (CUDA) hold the mapping, which is closed when the last
+of them goes; then the workers that opened a CUDA region close it too.
 
 Whether a request may use shared memory at all (`server.allow_client_shm`, a client on
 this host) is decided by `SharedMemory.access`, the one gate for both protocols.
@@ -29,7 +32,8 @@ import math
 import mmap
 import os
 import stat
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +41,7 @@ import numpy as np
 
 from dstack.common.errors import DStackError, RequestError
 from dstack.common.types import DType
+from dstack.runtime.staging import DeviceInput
 from server.codec import NP_DTYPES
 
 #: Regions registered at once, system and CUDA each (every system region holds a file
@@ -190,10 +195,18 @@ class CudaOpener(Protocol):
 
 
 class CudaRegion:
-    def __init__(self, name: str, device_id: int, byte_size: int, mapping: CudaMapping) -> None:
-        self.name, self.device_id, self.byte_size = name, device_id, byte_size
+    """A registered CUDA region. `closed`: unregistered (no new request may use it, nor
+    an answer be written into it); its handle stays open while `users` (requests' inputs
+    that read from it) live, then `on_close(handle)` tells the workers to close theirs."""
+
+    def __init__(self, name: str, handle: bytes, device_id: int, byte_size: int,
+                 mapping: CudaMapping, on_close: Callable[[bytes], None]) -> None:
+        self.name, self.handle, self.device_id = name, handle, device_id
+        self.byte_size = byte_size
         self.mapping = mapping
+        self.on_close = on_close
         self.closed = False
+        self.users = 0
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
@@ -204,24 +217,46 @@ class CudaRegion:
                 f"{where}: CUDA shared memory region {self.name!r} holds {self.byte_size} "
                 f"bytes; shared_memory_offset {offset} + shared_memory_byte_size "
                 f"{byte_size} = {offset + byte_size} runs past its end")
-        if self.closed:  # its handle is closed: nothing of it may be touched
+        if self.closed:
             raise RequestError(f"{where}: CUDA shared memory region {self.name!r} was "
                                "unregistered while the request used it")
 
     def view(self, offset: int, byte_size: int, dt: DType, shape: tuple[int, ...],
-             where: str) -> np.ndarray:
-        # One copy, device to host: the runtime's workers take host arrays.
+             where: str) -> DeviceInput:
+        """The input: read where it is used (on the device by a CUDA worker); the region
+        stays open while it lives."""
         self._bounds(offset, byte_size, where)
-        return self.mapping.read(offset, byte_size).view(NP_DTYPES[dt]).reshape(shape)
+        np_dt = NP_DTYPES[dt]
+
+        def read() -> np.ndarray:  # one copy, device to host
+            return self.mapping.read(offset, byte_size).view(np_dt).reshape(shape)
+
+        x = DeviceInput(self.handle, offset, shape, np_dt, read)
+        self.users += 1
+        weakref.finalize(x, self._release)
+        return x
 
     def write(self, offset: int, data: np.ndarray, where: str) -> None:
         self._bounds(offset, data.nbytes, where)
         self.mapping.write(offset, np.ascontiguousarray(data))
 
+    def _release(self) -> None:
+        self.users -= 1
+        if self.closed and self.users == 0:
+            self._close_handle()
+
     def close(self) -> None:
-        # Reads copy at once (`view`): only an answer not yet written can find it closed.
+        """Unregistered: the handle is closed now, or when the last input reading from
+        it goes."""
+        if self.closed:
+            return
         self.closed = True
+        if self.users == 0:
+            self._close_handle()
+
+    def _close_handle(self) -> None:
         self.mapping.close()
+        self.on_close(self.handle)
 
 
 Region = SystemRegion | CudaRegion
@@ -255,7 +290,7 @@ class ShmAccess(Protocol):
     """What a request's codec asks for its shared-memory tensors (`SharedMemory.access`)."""
 
     def input(self, params: Mapping[str, object], dt: DType, shape: tuple[int, ...],
-              where: str) -> np.ndarray: ...
+              where: str) -> np.ndarray | DeviceInput: ...
 
     def output(self, params: Mapping[str, object], where: str) -> OutputTarget: ...
 
@@ -301,6 +336,9 @@ class ShmRegistry:
         self.cuda: dict[str, CudaRegion] = {}
         self.cuda_open = cuda
         self.cuda_missing = cuda_missing or "this server has no CUDA device"
+        #: Told a CUDA region's handle once it is closed: the backend's workers close
+        #: theirs (`InferenceBackend.forget_device_memory`).
+        self.forget_device_memory: Callable[[bytes], None] = lambda handle: None
 
     # ------------------------------------------------------------------ system
 
@@ -352,7 +390,9 @@ class ShmRegistry:
         if len(self.cuda) >= MAX_REGIONS:
             raise RequestError(f"{MAX_REGIONS} CUDA shared memory regions are registered "
                                "already: unregister some first")
-        self.cuda[name] = CudaRegion(name, device, size, opener(raw_handle, device, size))
+        self.cuda[name] = CudaRegion(name, raw_handle, device, size,
+                                     opener(raw_handle, device, size),
+                                     lambda handle: self.forget_device_memory(handle))
 
     def unregister_cuda(self, name: str | None = None) -> None:
         self._need_cuda()
@@ -384,7 +424,7 @@ class RegistryAccess:
         self.registry = registry
 
     def input(self, params: Mapping[str, object], dt: DType, shape: tuple[int, ...],
-              where: str) -> np.ndarray:
+              where: str) -> np.ndarray | DeviceInput:
         name, offset, size = tensor_params(params, where)
         count = math.prod(shape)
         want = count * NP_DTYPES[dt].itemsize
@@ -464,8 +504,8 @@ class SharedMemory:
 
 
 def cuda_opener() -> tuple[CudaOpener | None, str]:
-    """The CUDA IPC opener of this host and, without one, why (`server.cuda_ipc`)."""
-    from server.cuda_ipc import opener
+    """The CUDA IPC opener of this host and, without one, why (`dstack.runtime.cuda_ipc`)."""
+    from dstack.runtime.cuda_ipc import opener
 
     return opener()
 

@@ -306,6 +306,9 @@ class ClusterBackend:
     def deploy_config(self) -> DeployConfig:
         return self._deploy
 
+    def forget_device_memory(self, handle: bytes) -> None:
+        """Nothing to close: inputs reach the nodes as host arrays (`DeviceInput`)."""
+
     def node_view(self) -> list[dict[str, Any]]:
         out = []
         for n in self.nodes.values():

@@ -67,3 +67,8 @@ class InferenceBackend(Protocol):
     def deploy_config(self) -> DeployConfig:
         """The deployment being served (each model's SLO, batching, priority; the device)."""
         ...
+
+    def forget_device_memory(self, handle: bytes) -> None:
+        """A client's device allocation (its `cudaIpcMemHandle_t`) is no longer registered
+        and no request reads from it: workers that opened it close it."""
+        ...

@@ -1,9 +1,10 @@
 """Typed messages between the dispatcher and its worker processes (never bare tuples).
 
 Tensors never travel in these messages: they sit in the worker's shared-memory arena
-(`dstack.runtime.shm`); a message only says which slot and how many items. They go over
-the worker's pipe as `encode` makes them: the two of every batch (`RunBatch`, `BatchDone`)
-as fixed-size structs, the rest pickled. (With both pickled, the dispatcher's process
+(`dstack.runtime.shm`), or in a client's device memory (`DeviceRows`); a message only says
+which slot and how many items. They go over the worker's pipe as `encode` makes them: the
+two of every batch (`RunBatch`, `BatchDone`) as fixed-size structs, the rest (and a
+`RunBatch` with device rows) pickled. (With both pickled, the dispatcher's process
 spent 290 us per request at batches of one, against 248 us with the structs: the
 removed bench.frontend_cost, three pairs; docs/decisions.md.)
 """
@@ -23,6 +24,21 @@ class MsgKind(StrEnum):
     DONE = "done"
     FAILED = "failed"
     STOP = "stop"
+    FORGET = "forget"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRows:
+    """Rows [row, row + n) of a batch's input `index` are not in the arena: they are
+    `nbytes` bytes at `offset` of another process's device allocation, shared by its
+    `cudaIpcMemHandle_t` `handle` (a client's CUDA shared-memory region). A CUDA worker
+    copies them on the device (`dstack.runtime.upload.DeviceReader`)."""
+
+    index: int
+    row: int
+    handle: bytes
+    offset: int
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +50,17 @@ class RunBatch:
     # counted in the arena header): rows before it have not changed since they were
     # counted, so a worker that copied them to the device early need not copy them again.
     fresh_from: int = 0
+    device_rows: tuple[DeviceRows, ...] = ()
     kind: MsgKind = MsgKind.RUN
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetMemory:
+    """A client's device allocation is no longer registered (and no request uses it):
+    close it if it was opened (`DeviceRows.handle`). No answer."""
+
+    handle: bytes
+    kind: MsgKind = MsgKind.FORGET
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +98,13 @@ class BatchDone:
 class BatchFailed:
     batch_id: int
     error: str
+    # The worker could not open a client's device memory (`DeviceRows`): send it such rows
+    # through the host from now on.
+    device_memory: bool = False
     kind: MsgKind = MsgKind.FAILED
 
 
-ToWorker = RunBatch | Stop
+ToWorker = RunBatch | Stop | ForgetMemory
 FromWorker = Ready | StartFailed | BatchDone | BatchFailed
 
 
@@ -87,7 +116,7 @@ _RUN_TAG, _DONE_TAG = 1, 2
 
 def encode(msg: ToWorker | FromWorker) -> bytes:
     """`msg` as the bytes that go over a worker's pipe (`decode` reads them back)."""
-    if type(msg) is RunBatch:
+    if type(msg) is RunBatch and not msg.device_rows:
         return _RUN.pack(_RUN_TAG, msg.batch_id, msg.n, msg.half, msg.fresh_from)
     if type(msg) is BatchDone:
         return _DONE.pack(_DONE_TAG, msg.batch_id, msg.n, msg.start_s, msg.compute_s)

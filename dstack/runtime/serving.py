@@ -556,6 +556,10 @@ class Runtime(EarlyAdmission):
     def deploy_config(self) -> DeployConfig:
         return self.cfg
 
+    def forget_device_memory(self, handle: bytes) -> None:
+        for worker in list(self._stagers):  # every worker a batch may have reached
+            worker.forget(handle)
+
     def stats(self, model: str) -> ModelStats:
         self.spec(model)
         restarting = self._restart_refused.get(model, 0)
@@ -705,8 +709,8 @@ class Runtime(EarlyAdmission):
                     np.concatenate([_req(t).inputs[name] for t in b.tickets], axis=0, out=dst)
                 fut = worker.submit(b.n)
             else:  # most rows are in the half already (staged on arrival)
-                half, fresh_from = stager.launch(b.tickets, b.n)
-                fut = worker.submit(b.n, half, fresh_from)
+                half, fresh_from, device_rows = stager.launch(b.tickets, b.n)
+                fut = worker.submit(b.n, half, fresh_from, device_rows)
         except Exception as e:  # noqa: BLE001 - failed like a batch, below
             err = e if isinstance(e, DStackError) else BackendError(
                 f"{b.model}: could not start a batch of {b.n}: {e!r}")
@@ -728,7 +732,10 @@ class Runtime(EarlyAdmission):
         st = self._stagers.get(worker)
         if st is None:
             st = self._stagers[worker] = Stager(worker.arena, lambda t: _req(t).inputs,
-                                                 lambda t: _req(t).future.done())
+                                                 lambda t: _req(t).future.done(),
+                                                 on_device=worker.reads_device_memory)
+        elif st.on_device and not worker.reads_device_memory:
+            st.through_host()
         return st
 
     async def _run_batch(self, b: Batch, worker: WorkerHandle,

@@ -10,6 +10,10 @@ are there, the batch's are not where it expects) means the batch's rows are writ
 that point on. Then the halves swap: the requests still queued are written into the other
 half at once, while the new batch computes.
 
+An input in a client's device memory (`DeviceInput`, a CUDA shared-memory region) is not
+written into a CUDA worker's arena: the batch names its rows (`DeviceRows`) and the worker
+copies them on the device. Any other worker gets it through the host, as numpy reads it.
+
 Invariant: the worker computes at most one batch at a time, and only ever from the half
 the last launch named; the next half is never one the worker reads. Batches alternate
 halves strictly, which a CUDA worker relies on to copy the next batch's rows early
@@ -20,51 +24,96 @@ halves strictly, which a CUDA worker relies on to copy the next batch's rows ear
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from dstack.runtime.dispatch import Ticket
+from dstack.runtime.messages import DeviceRows
 from dstack.runtime.shm import HALVES, Arena
 
 log = logging.getLogger("dstack.runtime.staging")
 
-Inputs = dict[str, np.ndarray]
+
+class DeviceInput:
+    """An input tensor in another process's device memory: `nbytes` bytes at `offset` of
+    the allocation its `cudaIpcMemHandle_t` `handle` shares (a client's CUDA shared-memory
+    region), read as `dtype` of `shape`. A CUDA worker reads its rows on the device; for
+    anything else that takes it as an array (numpy's `__array__`: a CPU worker's arena, a
+    single-buffered batch; pickle: a node of a cluster), `read()` copies it to the host."""
+
+    __slots__ = ("__weakref__", "dtype", "handle", "nbytes", "offset", "read", "shape")
+
+    def __init__(self, handle: bytes, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+                 read: Callable[[], np.ndarray]) -> None:
+        self.handle, self.offset, self.shape, self.dtype = handle, offset, shape, dtype
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.read = read
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.read()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return np.asarray, (self.read(),)
+
+
+Inputs = dict[str, np.ndarray | DeviceInput]
 
 
 class Stager:
     """The dispatcher's view of one double-buffered worker arena (module docstring).
 
     `inputs_of(ticket)`: the request's input arrays. `gone(ticket)`: the request was
-    answered without running (refused while queued, failed): it will be in no batch."""
+    answered without running (refused while queued, failed): it will be in no batch.
+    `on_device`: a CUDA worker, which reads `DeviceInput`s itself."""
 
     def __init__(self, arena: Arena, inputs_of: Callable[[Ticket], Inputs],
-                 gone: Callable[[Ticket], bool]) -> None:
+                 gone: Callable[[Ticket], bool], on_device: bool = False) -> None:
         self.arena = arena
         self.inputs_of = inputs_of
         self.gone = gone
+        self.on_device = on_device
+        self._device_seen = False  # a request with a DeviceInput was added (on_device)
+        self._names = [r.name for r in arena.layout.inputs]  # `DeviceRows.index` order
         self.half = 0  # the half the next batch goes into
         self._pending: list[Ticket] = []  # admitted, not launched; in queue order
         self._staged = 0  # how many of `_pending` are in `half`, from row 0
         self._rows = 0  # rows they fill
         self.rows_ahead = 0  # rows written before their batch was launched (for tests)
         self.rows_at_launch = 0  # rows written at launch
+        self.rows_on_device = 0  # rows the worker was sent to read from device memory
         for h in range(HALVES):
             arena.set_staged_rows(h, 0)
+
+    def through_host(self) -> None:
+        """The worker cannot read device memory after all: from now on every row goes
+        through the arena, those staged without their device rows too (written at launch,
+        as after a failed staging)."""
+        self.on_device = self._device_seen = False
+        self._staged = self._rows = 0
+        self.arena.set_staged_rows(self.half, 0)
 
     def add(self, ticket: Ticket) -> None:
         """A request was admitted to this worker's queue."""
         self._pending.append(ticket)
+        if self.on_device and not self._device_seen:
+            self._device_seen = any(type(v) is DeviceInput
+                                    for v in self.inputs_of(ticket).values())
         self._guarded(self._stage_more)
 
     def restage(self) -> None:
         """After a launch: write the requests still queued into the new next half."""
         self._guarded(self._stage_more)
 
-    def launch(self, tickets: Sequence[Ticket], n: int) -> tuple[int, int]:
+    def launch(self, tickets: Sequence[Ticket], n: int
+               ) -> tuple[int, int, tuple[DeviceRows, ...]]:
         """Rows [0, n) of the next half get `tickets`' inputs, in order (only those not
-        staged there already are written); the halves swap. Returns the batch's half and
-        the first row written now (`RunBatch.fresh_from`)."""
+        staged there already are written); the halves swap. Returns the batch's half, the
+        first row written now (`RunBatch.fresh_from`) and the rows the worker reads from
+        device memory instead."""
         half = self.half
         k = row = 0
         while (k < len(tickets) and k < self._staged
@@ -75,9 +124,7 @@ class Stager:
         if k < len(tickets):
             dst = self.arena.inputs(n, half)
             for t in tickets[k:]:
-                x = self.inputs_of(t)
-                for name, a in dst.items():
-                    a[row:row + t.n] = x[name]
+                self._write(dst, self.inputs_of(t), row, row + t.n)
                 row += t.n
             del dst
             self.rows_at_launch += row - fresh_from
@@ -90,7 +137,26 @@ class Stager:
         taken = {id(t) for t in tickets}
         self._pending = [t for t in self._pending if id(t) not in taken and not self.gone(t)]
         self._staged = self._rows = 0
-        return half, fresh_from
+        return half, fresh_from, self._device_rows(tickets) if self._device_seen else ()
+
+    def _write(self, dst: dict[str, np.ndarray], x: Inputs, lo: int, hi: int) -> None:
+        for name, a in dst.items():
+            v = x[name]
+            if not (self.on_device and type(v) is DeviceInput):
+                a[lo:hi] = v
+
+    def _device_rows(self, tickets: Sequence[Ticket]) -> tuple[DeviceRows, ...]:
+        out = []
+        row = 0
+        for t in tickets:
+            x = self.inputs_of(t)
+            for i, name in enumerate(self._names):
+                v = x[name]
+                if type(v) is DeviceInput:
+                    out.append(DeviceRows(i, row, v.handle, v.offset, v.nbytes))
+                    self.rows_on_device += t.n
+            row += t.n
+        return tuple(out)
 
     def _stage_more(self) -> None:
         cap = self.arena.layout.max_batch
@@ -101,10 +167,8 @@ class Stager:
                 continue
             if self._rows + t.n > cap:
                 return
-            x = self.inputs_of(t)
             dst = self.arena.inputs(self._rows + t.n, self.half, self._rows)
-            for name, a in dst.items():
-                a[...] = x[name]
+            self._write(dst, self.inputs_of(t), 0, t.n)
             del dst
             self._staged += 1
             self._rows += t.n
@@ -120,4 +184,4 @@ class Stager:
             self.arena.set_staged_rows(self.half, 0)
 
 
-__all__ = ["Stager"]
+__all__ = ["DeviceInput", "Stager"]

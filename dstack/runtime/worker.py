@@ -31,6 +31,8 @@ from dstack.runtime.graphs import graphed_or_eager
 from dstack.runtime.messages import (
     BatchDone,
     BatchFailed,
+    DeviceRows,
+    ForgetMemory,
     Ready,
     RunBatch,
     StartFailed,
@@ -39,7 +41,7 @@ from dstack.runtime.messages import (
     encode,
 )
 from dstack.runtime.shm import Arena, ArenaLayout
-from dstack.runtime.upload import CudaInputs, inputs_for
+from dstack.runtime.upload import CudaInputs, DeviceMemoryError, inputs_for
 
 log = logging.getLogger("dstack.runtime.worker")
 
@@ -157,8 +159,9 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
                                        cfg.layout.max_batch, cfg.model)
         out_names = [r.name for r in cfg.layout.outputs]
 
-        def run(n: int, half: int = 0, fresh_from: int = 0) -> None:
-            xs = upload.batch(half, n, fresh_from)
+        def run(n: int, half: int = 0, fresh_from: int = 0,
+                device_rows: tuple[DeviceRows, ...] = ()) -> None:
+            xs = upload.batch(half, n, fresh_from, device_rows)
             with torch.inference_mode():
                 y = forward(*xs)
             upload.overlap(half)  # CUDA: the next batch's rows go up while this computes
@@ -204,14 +207,18 @@ def _worker_main(cfg: WorkerConfig, conn: Connection) -> None:
             break  # parent went away
         if isinstance(msg, Stop):
             break
+        if isinstance(msg, ForgetMemory):
+            upload.forget(msg.handle)
+            continue
         assert isinstance(msg, RunBatch)
         start = time.monotonic()
         try:
-            run(msg.n, msg.half, msg.fresh_from)
+            run(msg.n, msg.half, msg.fresh_from, msg.device_rows)
             conn.send_bytes(encode(
                 BatchDone(msg.batch_id, msg.n, start, time.monotonic() - start)))
         except Exception as e:  # noqa: BLE001 - a bad batch fails its requests, not the worker
-            conn.send_bytes(encode(BatchFailed(msg.batch_id, f"{type(e).__name__}: {e}")))
+            conn.send_bytes(encode(BatchFailed(msg.batch_id, f"{type(e).__name__}: {e}",
+                                               isinstance(e, DeviceMemoryError))))
     upload.close()
     arena.close()
 
@@ -261,6 +268,9 @@ class WorkerHandle:
         self.state = WorkerState.STARTING
         self.ready_info: Ready | None = None
         self.busy = False
+        # Rows in a client's device memory may be sent to it (`DeviceRows`): a CUDA worker,
+        # until it fails to open such memory (`BatchFailed.device_memory`).
+        self.reads_device_memory = cfg.slice.device == "cuda"
         self._batch_id = 0
         self._pending: asyncio.Future[BatchDone] | None = None
         self._ready_fut: asyncio.Future[Ready] | None = None
@@ -317,6 +327,11 @@ class WorkerHandle:
         elif isinstance(msg, (BatchDone, BatchFailed)):
             fut, self._pending = self._pending, None
             self.busy = False
+            if isinstance(msg, BatchFailed) and msg.device_memory:
+                self.reads_device_memory = False
+                log.warning("worker for %s cannot open clients' device memory; their inputs "
+                            "reach it through the host from now on: %s", self.cfg.model,
+                            msg.error)
             if fut is None or fut.done():
                 return
             if isinstance(msg, BatchDone):
@@ -343,11 +358,12 @@ class WorkerHandle:
             for cb in self.on_death:
                 cb(self)
 
-    def submit(self, n: int, half: int = 0, fresh_from: int = 0) -> asyncio.Future[BatchDone]:
+    def submit(self, n: int, half: int = 0, fresh_from: int = 0,
+               device_rows: tuple[DeviceRows, ...] = ()) -> asyncio.Future[BatchDone]:
         """Start the n items already written to the inputs of the arena's `half`
-        (`fresh_from`: see `RunBatch`); the future holds the outcome. Sent at once, not
-        from a task: the worker must not wait for the event loop to get round to it (it
-        would idle while responses are written)."""
+        (`fresh_from`, `device_rows`: see `RunBatch`); the future holds the outcome. Sent
+        at once, not from a task: the worker must not wait for the event loop to get
+        round to it (it would idle while responses are written)."""
         if self.state is not WorkerState.READY or self.busy:
             raise BackendError(f"worker for {self.cfg.model} cannot take a batch ({self.state})")
         assert self._loop is not None
@@ -356,10 +372,20 @@ class WorkerHandle:
         self._pending = fut
         self.busy = True
         try:
-            self._conn.send_bytes(encode(RunBatch(self._batch_id, n, half, fresh_from)))
+            self._conn.send_bytes(encode(RunBatch(self._batch_id, n, half, fresh_from,
+                                                  device_rows)))
         except (BrokenPipeError, OSError):
             self._on_eof()
         return fut
+
+    def forget(self, handle: bytes) -> None:
+        """Tell the worker to close a client's device allocation it may have opened
+        (`ForgetMemory`); nothing to a worker that is gone."""
+        if self.state in (WorkerState.READY, WorkerState.DRAINING):
+            try:
+                self._conn.send_bytes(encode(ForgetMemory(handle)))
+            except (BrokenPipeError, OSError):
+                pass  # its end of the pipe is noticed by the reader
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit, then make sure it did; frees the arena."""

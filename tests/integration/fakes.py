@@ -51,6 +51,7 @@ class FakeBackend:
         self.calls: dict[str, list[int]] = {m: [] for m in SPECS}
         self.failures: dict[str, int] = dict.fromkeys(SPECS, 0)
         self.started = self.stopped = False
+        self.forgotten: list[bytes] = []  # handles of closed CUDA regions
 
     def model_names(self) -> list[str]:
         return list(SPECS)
@@ -70,7 +71,7 @@ class FakeBackend:
                     since_received_s: float = 0.0) -> dict[str, np.ndarray]:
         self.calls[model].append(next(iter(inputs.values())).shape[0])
         if model == "double":
-            x = inputs["x"]
+            x = np.asarray(inputs["x"])  # read as a worker reads it (a CUDA region's too)
             return {"y": x * 2, "argmax": x.argmax(axis=1).astype(np.int64)}
         if model == "flip":
             return {"out": ~inputs["mask"] ^ (inputs["k"] > 0)}
@@ -105,6 +106,9 @@ class FakeBackend:
 
     def deploy_config(self) -> DeployConfig:
         return DEPLOY
+
+    def forget_device_memory(self, handle: bytes) -> None:
+        self.forgotten.append(handle)
 
     async def start(self) -> None:
         self.started = True

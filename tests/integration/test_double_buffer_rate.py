@@ -1,5 +1,6 @@
 """Real CPU workers: double buffering answers every request with its own rows (the same
-outputs as one arena half), and `batching: rate` serves requests correctly."""
+outputs as one arena half), inputs in a client's device memory reach a CPU worker through
+the host, and `batching: rate` serves requests correctly."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import models
 from dstack.common.config import parse_config
 from dstack.runtime.serving import Runtime
+from dstack.runtime.staging import DeviceInput
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +87,44 @@ def test_double_buffering_answers_every_request_with_its_own_rows() -> None:
             assert not stagers
     for a, b in zip(outs[True], outs[False], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_device_memory_inputs_reach_a_cpu_worker_through_the_host() -> None:
+    """A CUDA shared-memory input (`DeviceInput`, here read from a host array) given to a
+    CPU worker is read once, into its rows, double-buffered or not; the worker takes the
+    server's word that a client's allocation is gone (`ForgetMemory`, which it never
+    answers) and its next batches are still answered right."""
+    xs = inputs(24)
+    reads = [0] * len(xs)
+
+    def device_input(i: int) -> DeviceInput:
+        def read() -> np.ndarray:
+            reads[i] += 1
+            return xs[i]
+        return DeviceInput(bytes([i]) * 64, 0, xs[i].shape, xs[i].dtype, read)
+
+    for double in (True, False):
+        reads[:] = [0] * len(xs)
+
+        async def main(double: bool) -> list[np.ndarray]:
+            rt = Runtime(parse_config(config(double_buffer=double)))
+            await rt.start()
+            try:
+                got = []
+                for i in range(len(xs)):
+                    if i % 4 == 0:
+                        rt.forget_device_memory(bytes([i]) * 64)
+                    plain = {"input": xs[i]} if i % 2 else {"input": device_input(i)}
+                    got.append((await rt.infer("tiny", plain))["output"])
+                return got
+            finally:
+                await rt.stop()
+
+        got = asyncio.run(main(double))
+        for i, g in enumerate(got):
+            np.testing.assert_allclose(g, reference(xs[i]), rtol=1e-4, atol=1e-5,
+                                       err_msg=f"request {i}, double_buffer {double}")
+        assert reads == [0 if i % 2 else 1 for i in range(len(xs))], double
 
 
 def test_rate_batching_serves_requests_correctly_with_real_workers() -> None:

@@ -1,10 +1,13 @@
 """The shared-memory extension over the HTTP app in-process (httpx over ASGI, the fake
 backend): off unless allowed, refused to a client not on this host, and a region
-unregistered while a request uses it answered cleanly, the server serving on."""
+unregistered while a request uses it answered cleanly, the server serving on; a CUDA
+region (a fake handle) is closed, and the backend's workers told, only when its last
+request is done."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -14,8 +17,10 @@ import httpx
 import numpy as np
 import pytest
 
+from server import shm
 from server.app import create_app
 from tests.integration.fakes import FakeBackend
+from tests.unit.test_shm import FakeMapping
 
 
 class _Held(FakeBackend):
@@ -114,3 +119,43 @@ async def _region_unregistered_during_a_request(region: shared_memory.SharedMemo
                                      "shared_memory_byte_size": 24}
         np.testing.assert_array_equal(np.frombuffer(region.buf, np.float32, 6, 64), 2 * x.ravel())
         await http.post("/v2/systemsharedmemory/unregister")
+
+
+def test_cuda_region_unregistered_during_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    mapping = FakeMapping(256)
+    monkeypatch.setattr(shm, "cuda_opener", lambda: (lambda *args: mapping, ""))
+    asyncio.run(_cuda_region_unregistered_during_a_request(mapping))
+
+
+async def _cuda_region_unregistered_during_a_request(mapping: FakeMapping) -> None:
+    backend = _Held()
+    app = create_app(backend, max_body_bytes=4096, allow_client_shm=True)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    mapping.write(0, x)
+    handle = bytes([3]) * 64
+    register = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0,
+                "byte_size": 256}
+    async with _client(app) as http:
+        assert "cuda_shared_memory" in (await http.get("/v2")).json()["extensions"]
+        r = await http.post("/v2/cudasharedmemory/region/c/register", json=register)
+        assert r.status_code == 200, r.text
+        pending = asyncio.create_task(http.post("/v2/models/double/infer",
+                                                json=_infer_body("c")))
+        await backend.entered.wait()
+        assert (await http.post("/v2/cudasharedmemory/region/c/unregister")).status_code == 200
+        assert not mapping.closed and backend.forgotten == []  # its request still reads it
+        backend.go.set()
+        r = await pending
+        assert r.status_code == 400, r.text
+        assert "region 'c' was unregistered while the request used it" in r.json()["error"]
+        assert backend.calls["double"] == [2]
+        assert mapping.closed and backend.forgotten == [handle]
+        # serving on: registered again, a request reads its input and writes its answer
+        mapping.closed = False
+        await http.post("/v2/cudasharedmemory/region/c/register", json=register)
+        backend.go.set()
+        r = await http.post("/v2/models/double/infer", json=_infer_body("c"))
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(mapping.mem[64:88].view(np.float32), 2 * x.ravel())
+        await http.post("/v2/cudasharedmemory/unregister")
+        assert backend.forgotten == [handle, handle]

@@ -17,8 +17,9 @@ from tritonclient.grpc import service_pb2 as pb
 
 from dstack.common.errors import DStackError, RequestError
 from dstack.common.types import DType, ModelSpec, TensorSpec
+from dstack.runtime.cuda_ipc import CudaRuntime
+from dstack.runtime.staging import DeviceInput
 from server import codec, grpc_codec
-from server.cuda_ipc import CudaRuntime
 from server.shm import (
     CUDA_IPC_HANDLE_BYTES,
     Forbidden,
@@ -306,6 +307,35 @@ def test_cuda_regions_with_a_fake_handle() -> None:
         target.write("y", x)
 
 
+def test_a_cuda_input_is_read_where_it_is_used_and_holds_its_region() -> None:
+    """An input from a CUDA region is read when a worker takes it, not when the request is
+    parsed; unregistered meanwhile, the region stays open until the input is gone, then
+    the workers are told to close the handle too (once)."""
+    mapping = FakeMapping(256)
+    reg = ShmRegistry(lambda handle, device_id, byte_size: mapping)
+    forgotten: list[bytes] = []
+    reg.forget_device_memory = forgotten.append
+    handle = bytes([9]) * CUDA_IPC_HANDLE_BYTES
+    reg.register_cuda("c", handle, 0, 256)
+    params = {"shared_memory_region": "c", "shared_memory_offset": 64,
+              "shared_memory_byte_size": 32}
+    x = RegistryAccess(reg).input(params, DType.FP32, (2, 4), "input 'x'")
+    assert isinstance(x, DeviceInput)
+    assert (x.handle, x.offset, x.nbytes, x.shape) == (handle, 64, 32, (2, 4))
+    want = np.arange(8, dtype=np.float32).reshape(2, 4)
+    mapping.write(64, want)  # written after the request was parsed: still read
+    target = RegistryAccess(reg).output(params, "output 'y'")
+    reg.unregister_cuda("c")
+    assert not mapping.closed and not forgotten
+    np.testing.assert_array_equal(np.asarray(x), want)
+    with pytest.raises(RequestError, match="'c' was unregistered while the request"):
+        target.write("y", want)  # no answer goes into an unregistered region
+    del x
+    assert mapping.closed and forgotten == [handle]
+    reg.close()
+    assert forgotten == [handle]
+
+
 def test_cuda_raw_handle_of_an_http_body() -> None:
     import base64
 
@@ -320,11 +350,12 @@ def test_cuda_raw_handle_of_an_http_body() -> None:
 class FakeCudart:
     """libcudart's few calls, in Python: device memory is a host buffer."""
 
-    def __init__(self, open_rc: int = 0) -> None:
-        self.mem = (ctypes.c_uint8 * 256)()
+    def __init__(self, open_rc: int = 0, size: int = 256) -> None:
+        self.mem = (ctypes.c_uint8 * size)()
         self.open_rc = open_rc
         self.handles: list[bytes] = []
         self.closed: list[int] = []
+        self.streams: list[int] = []
 
         def error_string(rc: int) -> bytes:
             return b"invalid resource handle"
@@ -342,6 +373,11 @@ class FakeCudart:
     def cudaMemcpy(self, dst: Any, src: Any, n: Any, kind: int) -> int:  # noqa: N802
         ctypes.memmove(dst.value, src.value, n.value)
         return 0
+
+    def cudaMemcpyAsync(self, dst: Any, src: Any, n: Any, kind: int,  # noqa: N802
+                        stream: Any) -> int:
+        self.streams.append(stream.value)
+        return self.cudaMemcpy(dst, src, n, kind)
 
     def cudaIpcCloseMemHandle(self, ptr: Any) -> int:  # noqa: N802
         self.closed.append(ptr.value)

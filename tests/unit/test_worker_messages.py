@@ -13,6 +13,8 @@ from dstack.runtime.messages import BatchDone, RunBatch, decode, encode
 @pytest.mark.parametrize("msg", [
     RunBatch(1, 1),
     RunBatch(2**40, 32, 1, 7),
+    RunBatch(5, 3, 1, 0, (m.DeviceRows(0, 1, bytes(range(64)), 4096, 2 * 602112),)),
+    m.ForgetMemory(bytes(64)),
     BatchDone(3, 8, 12345.678901, 0.0021),
     m.BatchFailed(4, "RuntimeError: boom"),
     m.Ready(4242, 1.5, 9.25, 32),

@@ -1,6 +1,10 @@
 """Opening another process's device memory from its `cudaIpcMemHandle_t` (Triton's CUDA
 shared-memory extension), through the CUDA runtime library torch loads (ctypes on
-libcudart: cudaIpcOpenMemHandle, cudaMemcpy, cudaIpcCloseMemHandle).
+libcudart: cudaIpcOpenMemHandle, cudaMemcpy, cudaMemcpyAsync, cudaIpcCloseMemHandle).
+
+The server's process opens a client's handle when it is registered (to check it, and to
+write outputs into it); a CUDA worker opens it again when a batch first reads an input from
+it, and copies those rows on the device (`dstack.runtime.upload.DeviceReader`).
 
 `opener()` says whether this host can: without torch's CUDA or a device, it returns None
 and the reason, and the registry refuses every CUDA call with it.
@@ -17,6 +21,7 @@ from dstack.common.errors import RequestError
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyKind
 _DEVICE_TO_HOST = 2
+_DEFAULT = 4  # by the pointers (unified addressing): device to device, either device
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
 
@@ -40,15 +45,30 @@ class CudaRuntime:
 
     def __call__(self, handle: bytes, device_id: int, byte_size: int) -> IpcMapping:
         """Open `handle` on `device_id` (`server.shm.CudaOpener`)."""
+        with self.lock:
+            self.check(self.lib.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
+            ptr = self.open(handle)
+        return IpcMapping(self, ptr, device_id, byte_size)
+
+    def open(self, handle: bytes) -> int:
+        """`handle` opened in this thread's current device context: its pointer here.
+        (A worker's context is on its own device, whatever the client called it: CUDA
+        enables peer access where the memory is on another.)"""
         ptr = ctypes.c_void_p()
         raw = _Handle()
         ctypes.memmove(ctypes.addressof(raw), handle, ctypes.sizeof(raw))  # NULs and all
-        with self.lock:
-            self.check(self.lib.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
-            self.check(self.lib.cudaIpcOpenMemHandle(
-                ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_PEER_ACCESS)),
-                "cudaIpcOpenMemHandle")
-        return IpcMapping(self, ptr.value or 0, device_id, byte_size)
+        self.check(self.lib.cudaIpcOpenMemHandle(
+            ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_PEER_ACCESS)), "cudaIpcOpenMemHandle")
+        return ptr.value or 0
+
+    def close(self, ptr: int) -> None:
+        self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
+
+    def copy_async(self, dst: int, src: int, n: int, stream: int) -> None:
+        """Copy `n` bytes between device pointers, queued on `stream` (a cudaStream_t)."""
+        self.check(self.lib.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src),
+                                            ctypes.c_size_t(n), _DEFAULT,
+                                            ctypes.c_void_p(stream)), "cudaMemcpyAsync")
 
 
 class IpcMapping:
@@ -74,7 +94,7 @@ class IpcMapping:
     def close(self) -> None:
         if self.ptr:
             with self.rt.lock:
-                self.rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr))
+                self.rt.close(self.ptr)
             self.ptr = 0
 
 
@@ -89,11 +109,12 @@ class LazyCudaRuntime:
 
     def __call__(self, handle: bytes, device_id: int, byte_size: int) -> IpcMapping:
         if self.rt is None:
-            self.rt = _load(self.major)
+            self.rt = load(self.major)
         return self.rt(handle, device_id, byte_size)
 
 
-def _load(major: str) -> CudaRuntime:
+def load(major: str) -> CudaRuntime:
+    """libcudart, as torch loaded it (its CUDA `major` version)."""
     import torch
 
     torch.cuda.init()  # loads libcudart: found again by its soname below
