@@ -167,8 +167,12 @@ class Stager:
                 continue
             if self._rows + t.n > cap:
                 return
+            x = self.inputs_of(t)
             dst = self.arena.inputs(self._rows + t.n, self.half, self._rows)
-            self._write(dst, self.inputs_of(t), 0, t.n)
+            for name, a in dst.items():
+                v = x[name]
+                if not (self.on_device and type(v) is DeviceInput):
+                    a[...] = v
             del dst
             self._staged += 1
             self._rows += t.n
