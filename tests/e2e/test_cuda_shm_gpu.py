@@ -1,8 +1,9 @@
 """CUDA shared memory on a real GPU (skipped without CUDA): a client's device tensors,
 shared by their `cudaIpcMemHandle_t` (torch's own, as tritonclient's cuda_shared_memory
-makes them), registered with a real `dstack serve --allow-client-shm` over
-`tritonclient.http`; the input is read from the client's device memory and the output
-written into it."""
+makes them), registered with a real `dstack serve --allow-client-shm` (`device: cuda`, its
+worker an MPS client) over `tritonclient.http`; the worker reads the inputs from the
+client's device memory itself (a batch's rows from several requests at their own offsets)
+and the output is written into it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ pytestmark = [
 
 def server_config(tmp_path: Path) -> dict:
     """This module's server (tests/e2e/conftest.py `module_server`)."""
-    return {"policy": "shared", "models": [TINY],
+    return {"device": "cuda", "policy": "shared", "models": [TINY],
             "server": {"grpc_port": 0, "allow_client_shm": True, "frontends": 1}}
 
 
@@ -59,3 +60,31 @@ def test_cuda_regions_in_and_out(module_server: ServerProcess) -> None:
     np.testing.assert_allclose(y.cpu().numpy(), want, atol=1e-5)
     client.unregister_cuda_shared_memory()
     assert client.get_cuda_shared_memory_status() == []
+
+
+def test_concurrent_requests_from_one_allocation_each_get_their_own_rows(
+        module_server: ServerProcess) -> None:
+    """Requests sent together are batched: each batch's rows come from one allocation at
+    each request's own offset, copied on the device by the worker."""
+    client = httpclient.InferenceServerClient(module_server.url, concurrency=8)
+    xs = torch.randn(8, 2, 3, 32, 32, device="cuda")  # request i: xs[i], 2 rows
+    torch.cuda.synchronize()
+    handle, size, base = _ipc(xs)
+    client.register_cuda_shared_memory("xs", handle, xs.device.index, size)
+    per = xs[0].numel() * 4
+    try:
+        pending = []
+        for i in range(8):
+            inp = httpclient.InferInput("input", [2, 3, 32, 32], "FP32")
+            inp.set_shared_memory("xs", per, base + i * per)
+            pending.append(client.async_infer("tiny_cnn", [inp]))
+        got = [p.get_result().as_numpy("output") for p in pending]
+        for i, g in enumerate(got):
+            plain = httpclient.InferInput("input", [2, 3, 32, 32], "FP32")
+            plain.set_data_from_numpy(xs[i].cpu().numpy(), binary_data=True)
+            want = client.infer("tiny_cnn", [plain]).as_numpy("output")
+            # a wrong row differs by O(1); batch sizes may pick other (TF32) kernels
+            np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-3, err_msg=f"request {i}")
+    finally:
+        client.unregister_cuda_shared_memory("xs")
+    assert "cannot open clients' device memory" not in module_server.text()
