@@ -7,6 +7,7 @@ worker's early copies (the GPU test)."""
 from __future__ import annotations
 
 import ctypes
+import pickle
 
 import numpy as np
 import pytest
@@ -222,6 +223,10 @@ def test_a_cpu_worker_gets_device_rows_through_its_arena(arena: Arena) -> None:
     assert rows == () and dev.host_reads == 1
     check(arena, req, half, ts)
     np.testing.assert_array_equal(arena.inputs(3, half)["x"], want["x"])
+    # to a node of a cluster: pickled as the host array
+    sent = pickle.loads(pickle.dumps(req.inputs[id(ts[1])]))  # noqa: S301 - our own bytes
+    assert type(sent["x"]) is np.ndarray
+    np.testing.assert_array_equal(sent["x"], want["x"][1:])
 
 
 def test_the_worker_copies_what_changed_after_its_early_copy() -> None:
