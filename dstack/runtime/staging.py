@@ -76,7 +76,7 @@ class Stager:
         self.inputs_of = inputs_of
         self.gone = gone
         self.on_device = on_device
-        self._device_seen = False  # a request with a DeviceInput was added (on_device)
+        self._device_seen = False  # a DeviceInput was left out of the arena
         self._names = [r.name for r in arena.layout.inputs]  # `DeviceRows.index` order
         self.half = 0  # the half the next batch goes into
         self._pending: list[Ticket] = []  # admitted, not launched; in queue order
@@ -99,9 +99,6 @@ class Stager:
     def add(self, ticket: Ticket) -> None:
         """A request was admitted to this worker's queue."""
         self._pending.append(ticket)
-        if self.on_device and not self._device_seen:
-            self._device_seen = any(type(v) is DeviceInput
-                                    for v in self.inputs_of(ticket).values())
         self._guarded(self._stage_more)
 
     def restage(self) -> None:
@@ -142,7 +139,9 @@ class Stager:
     def _write(self, dst: dict[str, np.ndarray], x: Inputs, lo: int, hi: int) -> None:
         for name, a in dst.items():
             v = x[name]
-            if not (self.on_device and type(v) is DeviceInput):
+            if self.on_device and type(v) is DeviceInput:
+                self._device_seen = True
+            else:
                 a[lo:hi] = v
 
     def _device_rows(self, tickets: Sequence[Ticket]) -> tuple[DeviceRows, ...]:
@@ -171,7 +170,9 @@ class Stager:
             dst = self.arena.inputs(self._rows + t.n, self.half, self._rows)
             for name, a in dst.items():
                 v = x[name]
-                if not (self.on_device and type(v) is DeviceInput):
+                if self.on_device and type(v) is DeviceInput:
+                    self._device_seen = True
+                else:
                     a[...] = v
             del dst
             self._staged += 1

@@ -187,6 +187,18 @@ def test_device_rows_are_named_to_a_cuda_worker_which_copies_them(arena: Arena) 
     assert len(dev.lib.closed) == 2
 
 
+def test_device_rows_of_a_request_the_stager_never_saw(arena: Arena) -> None:
+    """Admitted before the worker was ready (no stager then): its rows are named all the
+    same when its batch is launched."""
+    req = Requests()
+    dev = ClientDevice()
+    st = stager(arena, req, on_device=True)
+    t = req.new(2)
+    req.inputs[id(t)]["x"] = dev.put(req.inputs[id(t)]["x"])
+    _, _, rows = st.launch([t], 2)
+    assert rows == (DeviceRows(0, 0, dev.HANDLE, 8, 24),) and dev.host_reads == 0
+
+
 def test_a_worker_that_cannot_open_device_memory_gets_it_through_the_host(
         arena: Arena) -> None:
     """CUDA refuses the worker the client's handle: its batch fails with the kind of error
