@@ -8,6 +8,7 @@ and the output is written into it."""
 from __future__ import annotations
 
 import base64
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,13 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 
+from dstack.common import mps
 from tests.e2e.server_process import TINY, ServerProcess
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(shutil.which(mps.CONTROL) is None, reason="no nvidia-cuda-mps-control"),
 ]
 
 
