@@ -233,7 +233,8 @@ class CudaRegion:
 
         x = DeviceInput(self.handle, offset, shape, np_dt, read)
         self.users += 1
-        weakref.finalize(x, self._release)
+        # not at the interpreter's exit, when CUDA may be torn down: the process ends
+        weakref.finalize(x, self._release).atexit = False
         return x
 
     def write(self, offset: int, data: np.ndarray, where: str) -> None:
