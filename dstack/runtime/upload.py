@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dstack.runtime.cuda_ipc import CudaRuntime
+from dstack.runtime.cuda_ipc import CudaRuntime, load
 from dstack.runtime.messages import DeviceRows
 from dstack.runtime.shm import HALVES, Arena
 
@@ -123,8 +123,6 @@ class CudaInputs:
 
     def __init__(self, arena: Arena, device: Any) -> None:
         import torch
-
-        from dstack.runtime.cuda_ipc import load
 
         self._torch = torch
         self.arena = arena
